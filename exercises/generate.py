@@ -1,0 +1,97 @@
+"""Generate exercises/NN_topic.ipynb from solutions/NN_topic.ipynb.
+
+In a solution notebook the reader's part sits between ``# BEGIN SOLUTION`` and
+``# END SOLUTION`` lines. Each such region becomes ``raise NotImplementedError``
+at the marker's indentation. Cells tagged ``check`` (the ones that call the
+reader's code) and cells whose region is at the top level would then raise,
+so they get the ``raises-exception`` tag that nbval and Jupyter Book honour.
+
+    python exercises/generate.py          # rewrite exercises/
+    python exercises/generate.py --check  # exit 1 if exercises/ is out of date
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
+STUB = 'raise NotImplementedError("exercise: write this part")'
+BANNER = (
+    "> **Exercise notebook.** Fill in every `raise NotImplementedError`, then run the "
+    "check cells; the worked solution is in `solutions/` of the repository."
+)
+
+
+def strip_solutions(source: str) -> tuple[str, bool, bool]:
+    """Return ``(source with regions stubbed, any region found, a region at top level)``."""
+    out, inside, found, top = [], False, False, False
+    for line in source.split("\n"):
+        stripped = line.strip()
+        if stripped.startswith(BEGIN):
+            if inside:
+                raise ValueError(f"nested {BEGIN!r}")
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(indent + STUB)
+            inside, found, top = True, True, top or indent == ""
+        elif stripped.startswith(END):
+            if not inside:
+                raise ValueError(f"{END!r} without {BEGIN!r}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{BEGIN!r} without {END!r}")
+    return "\n".join(out), found, top
+
+
+def make_exercise(solution: dict) -> dict:
+    """The exercise version of a solution notebook (a JSON dict), outputs cleared."""
+    nb = copy.deepcopy(solution)
+    regions = 0
+    for cell in nb["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        source, found, top = strip_solutions(source)
+        regions += found
+        cell["source"] = source
+        cell["outputs"], cell["execution_count"] = [], None
+        tags = cell.setdefault("metadata", {}).setdefault("tags", [])
+        if (top or "check" in tags) and "raises-exception" not in tags:
+            tags.append("raises-exception")
+    if regions == 0:
+        raise ValueError("a solution notebook needs at least one '# BEGIN SOLUTION' region")
+    nb["cells"].insert(1, {"cell_type": "markdown", "metadata": {}, "source": BANNER})
+    return nb
+
+
+def render(nb: dict) -> str:
+    return json.dumps(nb, indent=1, ensure_ascii=False) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail if exercises/ is out of date")
+    args = parser.parse_args(argv)
+    stale = []
+    for src in sorted((ROOT / "solutions").glob("*.ipynb")):
+        dst = ROOT / "exercises" / src.name
+        text = render(make_exercise(json.loads(src.read_text())))
+        if not dst.exists() or dst.read_text() != text:
+            stale.append(dst.name)
+            if not args.check:
+                dst.write_text(text)
+    if args.check and stale:
+        print("out of date (run python exercises/generate.py):", ", ".join(stale))
+        return 1
+    print(("stale: " if args.check else "written: ") + (", ".join(stale) or "none"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""A Llama-family decoder that reads Hugging Face weights (chapter 00, "the model").
+
+RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU MLP;
+Qwen2 adds biases to the q/k/v projections and Qwen3 normalises q and k per
+head. Tokens are a flat ``[T]`` batch with explicit ``positions``: the model
+never assumes a sequence starts at 0, so the same forward serves a full
+prefill, a chunk of one, a decode step, or a whole scheduled batch. Where keys
+and values live is the job of the ``kv`` object handed to :meth:`forward`
+(see :mod:`minivllm.attention`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies of RoPE; non-default schemes (Llama 3 scaling, YaRN) use HF's own table."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_type](config)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, head_dim: int):
+        super().__init__()
+        h, kvh, d = config.num_attention_heads, config.num_key_value_heads, head_dim
+        bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
+        self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim = layer_idx, h, kvh, d
+        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, kvh * d, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, kvh * d, bias=bias)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=getattr(config, "attention_bias", False))
+        if config.model_type == "qwen3":
+            self.q_norm = RMSNorm(d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, positions, kv):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = kv.forward(self.layer_idx, q, k, v, positions)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, head_dim: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, head_dim)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, positions, kv):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config, head_dim: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM with HF parameter names, so HF state dicts load as they are."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.model = Backbone(config, self.head_dim)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        inv_freq, self.rope_scale = rope_inv_freq(config, self.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype):
+        freqs = positions[:, None].float() * self.inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` for flat tokens ``input_ids[T]`` at ``positions[T]``.
+
+        ``kv`` stores this forward's keys and values and says what each query
+        may attend to (:class:`minivllm.attention.NoCache`,
+        :class:`~minivllm.attention.ContiguousKVCache`, or the paged cache).
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, positions, kv)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits for the rows of ``hidden`` that sample a token (only those: the vocab is large)."""
+        return self.lm_head(hidden).float()
+
+    @torch.inference_mode()
+    def logits(self, input_ids, positions=None, kv=None) -> torch.Tensor:
+        """Logits for every token: the convenience form used by tests and chapters."""
+        from minivllm.attention import NoCache
+
+        input_ids = torch.as_tensor(input_ids, device=self.lm_head.weight.device)
+        if positions is None:
+            positions = torch.arange(len(input_ids), device=input_ids.device)
+        return self.compute_logits(self.forward(input_ids, positions, kv or NoCache()))

@@ -1,0 +1,65 @@
+"""minivllm's own Llama forward against HF transformers on the same weights."""
+
+import pytest
+import torch
+
+from minivllm.attention import ContiguousKVCache
+
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "Paged attention stores keys and values in fixed-size blocks. " * 8,
+]
+
+
+@pytest.mark.parametrize("which", ["smollm2", "tiny"])
+def test_logits_match_transformers(which, request, hf_models):
+    model, tok = request.getfixturevalue(which)
+    hf = hf_models({"smollm2": "smollm2-135m", "tiny": "tiny-random"}[which])
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        ours = model.logits(ids)
+        with torch.no_grad():
+            theirs = hf(torch.tensor([ids])).logits[0]
+        assert ours.shape == theirs.shape
+        assert (ours - theirs).abs().max().item() < 1e-4, prompt
+
+
+def test_smollm2_architecture(smollm2):
+    model, tok = smollm2
+    c = model.config
+    assert (c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.num_key_value_heads) == (30, 576, 9, 3)
+    assert model.head_dim == 64 and c.vocab_size == 49152
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied embeddings
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_tiny_random_is_seeded(tiny):
+    from minivllm import load_model
+
+    again, _ = load_model("tiny-random", device="cpu")
+    for (n, a), (_, b) in zip(tiny[0].state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_positions_offset_matches_cached_forward(tiny):
+    """Running a suffix at positions [a, b) after caching [0, a) equals the full forward."""
+    model, tok = tiny
+    ids = torch.tensor(tok(PROMPTS[3])["input_ids"])
+    full = model.logits(ids)
+    cache = ContiguousKVCache.for_model(model, len(ids))
+    a = len(ids) // 3
+    model.logits(ids[:a], torch.arange(a), cache)
+    tail = model.logits(ids[a:], torch.arange(a, len(ids)), cache)
+    assert (tail - full[a:]).abs().max().item() < 1e-4
+
+
+def test_unknown_architecture_is_refused(tmp_path):
+    import json
+
+    from minivllm import load_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="model_type"):
+        load_model(str(tmp_path))
