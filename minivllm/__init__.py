@@ -1,7 +1,12 @@
 """minivllm: a small, real LLM inference engine, built chapter by chapter."""
 
-from minivllm.config import default_device
+from minivllm.config import EngineConfig, default_device
+from minivllm.engine import LLM, CompletionOutput, EngineStats, LLMEngine, RequestOutput
 from minivllm.models import load_model, load_tokenizer
+from minivllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["default_device", "load_model", "load_tokenizer"]
+__all__ = [
+    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineStats",
+    "default_device", "load_model", "load_tokenizer",
+]

@@ -73,17 +73,20 @@ def chunked_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Grouped-query attention with a boolean mask.
+    """Grouped-query attention with a boolean ``mask[..., nq, nk]`` (True = may attend).
 
-    ``q`` is ``[..., heads, nq, dim]``; ``k``, ``v`` are ``[..., kv_heads, nk, dim]``
-    with ``heads`` a multiple of ``kv_heads``; ``mask`` broadcasts to
-    ``[..., heads, nq, nk]``. Uses torch's fused kernel where it has one.
+    ``q`` is ``[..., heads, nq, dim]``; ``k``, ``v`` are ``[..., kv_heads, nk, dim]``.
+    Query head ``h`` reads KV head ``h // group``: the group's queries are folded
+    into the query axis, so keys and values are never copied per head.
     """
-    group = q.shape[-3] // k.shape[-3]
+    *lead, h, nq, d = q.shape
+    kvh, nk = k.shape[-3], k.shape[-2]
+    group = h // kvh
     if group > 1:
-        k = k.repeat_interleave(group, dim=-3)
-        v = v.repeat_interleave(group, dim=-3)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        q = q.reshape(*lead, kvh, group * nq, d)
+        mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], group, nq, nk).reshape(*mask.shape[:-2], group * nq, nk)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(-3))
+    return out.reshape(*lead, h, nq, d)
 
 
 class NoCache:
@@ -135,3 +138,96 @@ class ContiguousKVCache:
         mask = causal_chunk_mask(a, b, q.device)
         out = attend(q.transpose(0, 1), self.k[layer, :, :b], self.v[layer, :, :b], mask)
         return out.transpose(0, 1)
+
+
+class PagedBatch:
+    """Where one engine step's tokens read and write KV in the paged pools (chapter 05).
+
+    Sequence ``b`` feeds ``query_lens[b]`` tokens that end at ``context_lens[b]``
+    (so its queries sit at positions ``context_lens[b] - query_lens[b]`` onward),
+    flattened one sequence after another. All indices are built once per step
+    and shared by every layer. Sequences are attended in at most two padded
+    groups, decodes (one query) and prefills, so no layer loops over sequences.
+    """
+
+    def __init__(self, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
+                 block_size: int, device):
+        self.block_size = block_size
+        starts, slots, t = [], [], 0
+        for table, ctx, n in zip(block_tables, context_lens, query_lens):
+            starts.append(t)
+            t += n
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx))
+        self.num_tokens = t
+        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        self.groups = []
+        for wanted in (lambda n: n == 1, lambda n: n > 1):
+            rows = [b for b, n in enumerate(query_lens) if wanted(n)]
+            if rows:
+                self.groups.append(self._group(rows, block_tables, context_lens, query_lens, starts, device))
+
+    def _group(self, rows, block_tables, context_lens, query_lens, starts, device):
+        bs = self.block_size
+        ctx = torch.tensor([context_lens[b] for b in rows], device=device)
+        qlen = torch.tensor([query_lens[b] for b in rows], device=device)
+        start = torch.tensor([starts[b] for b in rows], device=device)
+        width = max(len(block_tables[b]) for b in rows)
+        tables = torch.tensor([block_tables[b] + [0] * (width - len(block_tables[b])) for b in rows],
+                              dtype=torch.long, device=device)
+        max_ctx, max_q = int(ctx.max()), int(qlen.max())
+        key_pos = torch.arange(max_ctx, device=device)
+        key_slots = tables[:, key_pos // bs] * bs + key_pos % bs  # [B, S]
+        key_slots = torch.where(key_pos < ctx[:, None], key_slots, 0)
+        i = torch.arange(max_q, device=device)
+        valid = i < qlen[:, None]  # [B, Lq]
+        query_pos = ctx[:, None] - qlen[:, None] + i  # global position of each query row
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Lq, S]
+        mask &= valid[:, :, None]
+        mask[:, :, 0] |= ~valid  # padded rows see one key, so softmax stays finite
+        query_index = torch.where(valid, start[:, None] + i, 0)
+        return dict(key_slots=key_slots, query_index=query_index, valid=valid, mask=mask,
+                    out_index=query_index[valid])
+
+
+class PagedKVCache:
+    """Per-layer K/V pools ``[num_blocks, block_size, kv_heads, head_dim]`` (chapter 05).
+
+    ``forward`` writes the step's keys and values through the slot mapping and
+    attends by gathering each sequence's keys through its block table.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype=torch.float32, device="cpu"):
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.batch: PagedBatch | None = None
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int):
+        c, p = model.config, next(model.parameters())
+        return cls(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, model.head_dim,
+                   p.dtype, p.device)
+
+    @staticmethod
+    def bytes_per_token(model) -> int:
+        """K and V, every layer: 2 * layers * kv_heads * head_dim * element size."""
+        c, p = model.config, next(model.parameters())
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * model.head_dim * p.element_size()
+
+    def forward(self, layer: int, q, k, v, positions):
+        batch = self.batch
+        kv_heads, d = k.shape[1:]
+        k_pool = self.k[layer].view(-1, kv_heads, d)
+        v_pool = self.v[layer].view(-1, kv_heads, d)
+        k_pool.index_copy_(0, batch.slot_mapping, k)
+        v_pool.index_copy_(0, batch.slot_mapping, v)
+        out = torch.empty_like(q)
+        for g in batch.groups:
+            keys = k_pool[g["key_slots"]].transpose(1, 2)  # [B, kv_heads, S, D]
+            values = v_pool[g["key_slots"]].transpose(1, 2)
+            queries = q[g["query_index"]].transpose(1, 2)  # [B, heads, Lq, D]
+            o = attend(queries, keys, values, g["mask"]).transpose(1, 2)  # [B, Lq, heads, D]
+            out[g["out_index"]] = o[g["valid"]]
+        return out

@@ -1,0 +1,127 @@
+"""A request's life inside the engine: the ``Sequence`` state machine (chapters 06 and 09).
+
+::
+
+    WAITING -> PREFILLING -> RUNNING -> FINISHED_*      (chunked prefill)
+    WAITING ------------------> RUNNING                 (one chunk covers the prompt)
+    RUNNING/PREFILLING -> WAITING                       (preempted: recompute)
+    RUNNING/PREFILLING -> SWAPPED -> RUNNING/PREFILLING (preempted: swap)
+    any state -> FINISHED_ABORTED
+
+Token bookkeeping, with ``tokens = prompt + generated``:
+
+- ``cached_token_count``: tokens whose KV is written in the cache (prefix-cache
+  hits included). The next forward feeds ``tokens[cached_token_count:]``.
+- ``prefilled_token_count``: the prompt tokens among those.
+- ``num_cached_tokens``: prompt tokens served from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minivllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH": "length", "FINISHED_ABORTED": "abort"}.get(self.name)
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request times (``time.perf_counter`` seconds) and token counts (chapter 11's metrics)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # when each output token appeared
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    num_prefilled_tokens: int = 0  # prompt tokens whose KV is written (progress of a chunked prefill)
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0
+    num_swapped_bytes: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+class Sequence:
+    """One request: its tokens, its place in the state machine and its KV blocks."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 0, arrival_time: float | None = None, prompt: str | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.priority = priority
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []  # physical KV block ids, in token order
+        self.cached_token_count = 0
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
+                                      num_prompt_tokens=len(self.prompt_token_ids))
+        self.generator = None  # per-request torch.Generator when params.seed is set
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def prefilled_token_count(self) -> int:
+        return min(self.cached_token_count, self.num_prompt_tokens)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.cached_token_count
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        p = self.num_prompt_tokens
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - p):stop - p]) if start < p \
+            else self.output_token_ids[start - p:stop - p]
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+                f"cached={self.cached_token_count}, blocks={self.block_table})")
