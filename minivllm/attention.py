@@ -174,18 +174,16 @@ class PagedBatch:
         width = max(len(block_tables[b]) for b in rows)
         tables = torch.tensor([block_tables[b] + [0] * (width - len(block_tables[b])) for b in rows],
                               dtype=torch.long, device=device)
-        max_ctx, max_q = int(ctx.max()), int(qlen.max())
-        key_pos = torch.arange(max_ctx, device=device)
-        key_slots = tables[:, key_pos // bs] * bs + key_pos % bs  # [B, S]
-        key_slots = torch.where(key_pos < ctx[:, None], key_slots, 0)
+        max_q = int(qlen.max())
+        key_pos = torch.arange(width * bs, device=device)  # keys are read whole blocks at a time
         i = torch.arange(max_q, device=device)
         valid = i < qlen[:, None]  # [B, Lq]
         query_pos = ctx[:, None] - qlen[:, None] + i  # global position of each query row
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Lq, S]
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Lq, S]; also hides unused slots
         mask &= valid[:, :, None]
         mask[:, :, 0] |= ~valid  # padded rows see one key, so softmax stays finite
         query_index = torch.where(valid, start[:, None] + i, 0)
-        return dict(key_slots=key_slots, query_index=query_index, valid=valid, mask=mask,
+        return dict(block_tables=tables, query_index=query_index, valid=valid, mask=mask,
                     out_index=query_index[valid])
 
 
@@ -219,14 +217,14 @@ class PagedKVCache:
     def forward(self, layer: int, q, k, v, positions):
         batch = self.batch
         kv_heads, d = k.shape[1:]
-        k_pool = self.k[layer].view(-1, kv_heads, d)
-        v_pool = self.v[layer].view(-1, kv_heads, d)
-        k_pool.index_copy_(0, batch.slot_mapping, k)
-        v_pool.index_copy_(0, batch.slot_mapping, v)
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        k_pool.view(-1, kv_heads, d).index_copy_(0, batch.slot_mapping, k)
+        v_pool.view(-1, kv_heads, d).index_copy_(0, batch.slot_mapping, v)
         out = torch.empty_like(q)
         for g in batch.groups:
-            keys = k_pool[g["key_slots"]].transpose(1, 2)  # [B, kv_heads, S, D]
-            values = v_pool[g["key_slots"]].transpose(1, 2)
+            tables = g["block_tables"]  # [B, W]: gather whole blocks, then see them as one run of keys
+            keys = k_pool[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, W * block_size, D]
+            values = v_pool[tables].flatten(1, 2).transpose(1, 2)
             queries = q[g["query_index"]].transpose(1, 2)  # [B, heads, Lq, D]
             o = attend(queries, keys, values, g["mask"]).transpose(1, 2)  # [B, Lq, heads, D]
             out[g["out_index"]] = o[g["valid"]]

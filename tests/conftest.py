@@ -36,3 +36,11 @@ def hf_models():
         return cache[name]
 
     return get
+
+
+from hypothesis import settings  # noqa: E402
+
+# CI replays the same examples every run; locally hypothesis explores new ones.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")

@@ -35,10 +35,15 @@ def test_smollm2_architecture(smollm2):
     assert tok.eos_token == "<|im_end|>"
 
 
-def test_tiny_random_is_seeded(tiny):
-    from minivllm import load_model
+def test_tiny_random_is_seeded(tiny, tmp_path, monkeypatch):
+    """A fresh cache folder rebuilds exactly the same weights from the seed."""
+    from minivllm.models import loader
 
-    again, _ = load_model("tiny-random", device="cpu")
+    smollm2 = loader.smollm2_folder()  # reuse its tokenizer; do not convert it again
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    (tmp_path / "smollm2-135m").symlink_to(smollm2)
+    again, _ = loader._load("tiny-random", "cpu", torch.float32)
+    assert (tmp_path / "tiny-random" / "model.safetensors").exists()
     for (n, a), (_, b) in zip(tiny[0].state_dict().items(), again.state_dict().items()):
         assert torch.equal(a, b), n
 

@@ -99,7 +99,7 @@ def tiny_random_folder() -> Path:
         tok = AutoTokenizer.from_pretrained(smollm2_folder())
         config = LlamaConfig(
             vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
             initializer_range=0.5,  # large logits: greedy choices rarely sit near a tie
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -130,12 +130,26 @@ def load_tokenizer(name: str = SMOLLM2):
     return AutoTokenizer.from_pretrained(model_folder(name))
 
 
+_loaded: dict[tuple, tuple] = {}
+
+
 def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32):
-    """Load ``(model, tokenizer)``: minivllm's own forward with the checkpoint's weights."""
+    """Load ``(model, tokenizer)``: minivllm's own forward with the checkpoint's weights.
+
+    Loaded models are kept per (name, device, dtype), so a notebook that builds
+    several engines reads the weights once. Inference never changes them.
+    """
+    from minivllm.config import default_device
+
+    key = (name, str(torch.device(device or default_device())), dtype)
+    if key not in _loaded:
+        _loaded[key] = _load(name, key[1], dtype)
+    return _loaded[key]
+
+
+def _load(name, device, dtype):
     from transformers import AutoConfig
     from safetensors.torch import load_file
-
-    from minivllm.config import default_device
 
     folder = model_folder(name)
     config = AutoConfig.from_pretrained(folder)
@@ -154,6 +168,6 @@ def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32):
         model.lm_head.weight = model.model.embed_tokens.weight
     inv_freq, _ = rope_inv_freq(config, model.head_dim)  # buffers built on "meta" hold no values
     model.inv_freq = inv_freq
-    model = model.to(device=device or default_device(), dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
     model.inv_freq = inv_freq.to(model.lm_head.weight.device)  # RoPE frequencies stay fp32
     return model, load_tokenizer(name)

@@ -1,0 +1,54 @@
+"""Shared test workloads and oracles."""
+
+import random
+
+import torch
+
+from minivllm import LLM, SamplingParams
+
+TOPICS = ["the sea", "paged attention", "prime numbers", "a cat", "Paris", "rust and python",
+          "the moon landing", "sourdough bread", "chess openings", "volcanoes", "jazz", "GPUs",
+          "photosynthesis", "the Roman empire", "origami", "black holes"]
+
+
+def mixed_prompts(tok, n=16, seed=0):
+    """Chat prompts of mixed lengths: short questions and several-hundred-token ones."""
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        body = f"Tell me about {topic}."
+        if i % 3 == 2:  # a long one: several hundred tokens
+            body = (f"Here are my notes on {topic}: " + " ".join(rng.choice(TOPICS) for _ in range(rng.randint(100, 200)))
+                    + f". Summarise {topic}.")
+        text = tok.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True, tokenize=False)
+        prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def hf_greedy(hf_model, prompt_ids, max_new_tokens, eos_token_id=None):
+    """HF transformers generate, one prompt at a time: the oracle."""
+    ids = torch.tensor([prompt_ids])
+    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                            do_sample=False, eos_token_id=eos_token_id, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def run_engine(llm: LLM, requests, check=True):
+    """Drive llm.engine step by step over ``(id, ids, params)``; checks invariants after each step."""
+    engine = llm.engine
+    for rid, ids, params in requests:
+        engine.add_request(rid, ids, params)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0].token_ids
+        if check:
+            engine.check_invariants()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return outs
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)

@@ -1,0 +1,58 @@
+"""Greedy output of the paged engine equals HF transformers generate, token for token."""
+
+import pytest
+
+from minivllm import LLM
+
+from helpers import greedy, hf_greedy, mixed_prompts
+
+MAX_NEW = {"smollm2-135m": 12, "tiny-random": 24}
+
+
+@pytest.fixture(scope="module")
+def references(hf_models):
+    """Per model: the 16 mixed-length prompts and HF's one-at-a-time greedy outputs."""
+    from minivllm import load_tokenizer
+
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            tok = load_tokenizer(name)
+            prompts = mixed_prompts(tok)
+            hf = hf_models(name)
+            cache[name] = (prompts, [hf_greedy(hf, p, MAX_NEW[name], tok.eos_token_id) for p in prompts])
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["tiny-random", "smollm2-135m"])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_generate_matches_transformers(name, block_size, references):
+    prompts, expected = references(name)
+    assert max(len(p) for p in prompts) > 300 and min(len(p) for p in prompts) < 60
+    llm = LLM(name, block_size=block_size, num_blocks=-(-12000 // block_size), max_num_seqs=5,
+              max_num_batched_tokens=1024, device="cpu")
+    outs = llm.generate(prompts, greedy(MAX_NEW[name]), use_tqdm=False)
+    for i, (out, ref) in enumerate(zip(outs, expected)):
+        assert out.outputs[0].token_ids == ref, f"prompt {i} ({len(prompts[i])} tokens)"
+    assert llm.engine.stats().num_free_blocks == llm.engine.num_blocks
+
+
+@pytest.mark.parametrize("options", [
+    dict(enable_chunked_prefill=True, max_prefill_chunk_size=100, block_size=16),
+    dict(enable_chunked_prefill=True, max_prefill_chunk_size=7, block_size=4),
+    dict(enable_prefix_caching=True, block_size=16),
+    dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_prefill_chunk_size=33, block_size=8),
+])
+def test_optimisations_keep_smollm2_output(options, references):
+    """Chunked prefill and prefix caching, alone and together, leave greedy output unchanged."""
+    prompts, expected = references("smollm2-135m")
+    llm = LLM("smollm2-135m", num_blocks=1000, max_num_seqs=6, max_num_batched_tokens=768, device="cpu", **options)
+    # twice: the second pass hits the prefix cache
+    for _ in range(2):
+        outs = llm.generate(prompts[:8], greedy(MAX_NEW["smollm2-135m"]), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected[:8]
+    if options.get("enable_prefix_caching"):
+        assert llm.engine.stats().prefix_cache_hit_rate > 0.4
