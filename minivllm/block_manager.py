@@ -41,7 +41,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.cached: dict[int, CachedBlock] = {}
         self.generation = [0] * num_blocks  # bumped each time a block is registered
-        self.seq_hashes: dict[str, list[int]] = {}  # request id -> chain hashes of its computed full blocks
+        # request id -> per computed full block: (chain hash, the registered block holding exactly that
+        # prefix as (id, generation), or None if there is none, e.g. after a hash collision)
+        self.seq_links: dict[str, list[tuple[int, tuple[int, int] | None]]] = {}
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -91,7 +93,7 @@ class BlockManager:
                 else:
                     self.free_blocks.append(block)
         seq.block_table = []
-        self.seq_hashes.pop(seq.request_id, None)
+        self.seq_links.pop(seq.request_id, None)
 
     # -- prefix cache --------------------------------------------------------------------------
     @staticmethod
@@ -108,44 +110,53 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         tokens, bs = seq.token_ids, self.block_size
-        hashes: list[int] = []
-        parent: tuple[int, int] | None = None
+        links: list[tuple[int, tuple[int, int] | None]] = []
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = self.chain_hash(hashes[-1] if hashes else None, chunk)
+            h = self.chain_hash(links[-1][0] if links else None, chunk)
             block = self.hash_to_block.get(h)
-            if block is None or self.cached[block] != CachedBlock(chunk, parent):
+            if block is None or self.cached[block] != CachedBlock(chunk, links[-1][1] if links else None):
                 break
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
-            hashes.append(h)
-            parent = (block, self.generation[block])
-        self.seq_hashes[seq.request_id] = hashes
-        hit = len(hashes) * bs
+            links.append((h, (block, self.generation[block])))
+        self.seq_links[seq.request_id] = links
+        hit = len(links) * bs
         self.prefix_queried_tokens += seq.num_prompt_tokens
         self.prefix_hit_tokens += hit
         return hit
 
     def register_computed_blocks(self, seq: Sequence) -> None:
-        """Make ``seq``'s newly completed full blocks findable (their KV is now written)."""
+        """Make ``seq``'s newly completed full blocks findable (their KV is now written).
+
+        A block whose exact prefix is already registered (another request computed
+        the same tokens) is not registered twice; its successors link to the
+        registered one, so later lookups follow a single chain.
+        """
         if not self.enable_prefix_caching:
             return
-        hashes = self.seq_hashes.setdefault(seq.request_id, [])
+        links = self.seq_links.setdefault(seq.request_id, [])
         bs = self.block_size
-        for i in range(len(hashes), seq.cached_token_count // bs):
+        for i in range(len(links), seq.cached_token_count // bs):
             chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
-            h = self.chain_hash(hashes[-1] if hashes else None, chunk)
-            hashes.append(h)
-            block = seq.block_table[i]
-            if block in self.block_hash or h in self.hash_to_block:
-                continue  # already registered, or an identical block computed by another request
-            prev = seq.block_table[i - 1] if i else None
-            self.generation[block] += 1
-            self.block_hash[block] = h
-            self.hash_to_block[h] = block
-            self.cached[block] = CachedBlock(chunk, None if prev is None else (prev, self.generation[prev]))
+            parent_hash, parent = links[-1] if links else (None, None)
+            h = self.chain_hash(parent_hash, chunk)
+            expected = CachedBlock(chunk, parent)
+            existing = self.hash_to_block.get(h)
+            if existing is not None:  # same prefix computed elsewhere, or a hash collision
+                same = self.cached[existing] == expected
+                links.append((h, (existing, self.generation[existing]) if same else None))
+            elif i > 0 and parent is None:  # the chain above is unregistered: nothing can reach this block
+                links.append((h, None))
+            else:
+                block = seq.block_table[i]
+                self.generation[block] += 1
+                self.block_hash[block] = h
+                self.hash_to_block[h] = block
+                self.cached[block] = expected
+                links.append((h, (block, self.generation[block])))
 
     def _unregister(self, block: int) -> None:
         h = self.block_hash.pop(block)

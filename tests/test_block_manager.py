@@ -131,3 +131,18 @@ def test_identical_new_prefixes_in_one_step_do_not_clash():
     bm.check_invariants([a, b])
     bm.free(a), bm.free(b)
     bm.check_invariants([])
+
+
+def test_children_of_a_duplicate_block_link_to_the_registered_chain():
+    """b computes the same first block as a (a duplicate), then its own second block: findable in full."""
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    a, b = seq("a", [1, 2, 0]), seq("b", [1, 2, 5, 6, 0])
+    for s in (a, b):
+        bm.allocate(s, s.num_tokens)
+    for s in (a, b):
+        s.cached_token_count = s.num_tokens
+        bm.register_computed_blocks(s)
+    c = seq("c", [1, 2, 5, 6, 9])
+    assert bm.match_prefix(c) == 4
+    assert c.block_table == [a.block_table[0], b.block_table[1]]
+    bm.check_invariants([a, b, c])
