@@ -195,18 +195,37 @@ class PagedKVCache:
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", num_cpu_blocks: int = 0):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # The swap space (chapter 10): the same layout in host memory, pinned on CUDA for fast copies.
+        cpu_shape = (num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim)
+        pin = torch.device(device).type == "cuda"
+        self.cpu_k = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
+        self.cpu_v = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
         self.block_size = block_size
         self.batch: PagedBatch | None = None
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int):
+    def for_model(cls, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0):
         c, p = model.config, next(model.parameters())
         return cls(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, model.head_dim,
-                   p.dtype, p.device)
+                   p.dtype, p.device, num_cpu_blocks)
+
+    def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        """Copy whole blocks, every layer: (device, cpu) pairs to the CPU pool, or (cpu, device) pairs back."""
+        if not pairs:
+            return
+        src_ids, dst_ids = (torch.tensor(x, dtype=torch.long) for x in zip(*pairs))
+        pools = [(self.k, self.cpu_k), (self.v, self.cpu_v)]
+        for dev, cpu in pools:
+            if to_cpu:
+                cpu[:, dst_ids] = dev[:, src_ids.to(dev.device)].to("cpu", non_blocking=True)
+            else:
+                dev[:, dst_ids.to(dev.device)] = cpu[:, src_ids].to(dev.device, non_blocking=True)
+        if self.k.is_cuda:
+            torch.cuda.synchronize(self.k.device)
 
     @staticmethod
     def bytes_per_token(model) -> int:

@@ -30,8 +30,11 @@ class CachedBlock:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 num_cpu_blocks: int = 0):
         self.num_blocks = num_blocks
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))  # the swap space (chapter 10)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
@@ -85,15 +88,41 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (finish, abort or preemption). Shared blocks just lose a reference."""
-        for block in reversed(seq.block_table):  # tail first: the prefix stays cached longest
+        self._release(seq.block_table)
+        seq.block_table = []
+        self.free_cpu_blocks.extend(seq.cpu_block_table)
+        seq.cpu_block_table = []
+        self.seq_links.pop(seq.request_id, None)
+
+    def _release(self, blocks: list[int]) -> None:
+        for block in reversed(blocks):  # tail first: the prefix stays cached longest
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 if block in self.block_hash:
                     self.evictable[block] = None
                 else:
                     self.free_blocks.append(block)
+
+    # -- swap (chapter 10) ---------------------------------------------------------------------
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return len(seq.block_table) <= len(self.free_cpu_blocks)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Move ``seq``'s blocks to the CPU pool; returns the (device block, cpu block) copies to make."""
+        pairs = [(block, self.free_cpu_blocks.popleft()) for block in seq.block_table]
+        self._release(seq.block_table)
         seq.block_table = []
-        self.seq_links.pop(seq.request_id, None)
+        seq.cpu_block_table = [cpu for _, cpu in pairs]
+        return pairs
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Bring ``seq``'s blocks back to the device; returns the (cpu block, device block) copies to make."""
+        assert len(seq.cpu_block_table) <= self.num_free_blocks, "swap_in without room"
+        pairs = [(cpu, self._take_free_block()) for cpu in seq.cpu_block_table]
+        self.free_cpu_blocks.extend(seq.cpu_block_table)
+        seq.cpu_block_table = []
+        seq.block_table = [block for _, block in pairs]
+        return pairs
 
     # -- prefix cache --------------------------------------------------------------------------
     @staticmethod
@@ -171,9 +200,17 @@ class BlockManager:
     def check_invariants(self, seqs) -> None:
         """Every block is free or owned; ref counts equal owners; no block in two places."""
         owners = [0] * self.num_blocks
+        cpu_owners = [0] * self.num_cpu_blocks
         for seq in seqs:
             for block in seq.block_table:
                 owners[block] += 1
+            for block in seq.cpu_block_table:
+                cpu_owners[block] += 1
+        cpu_free = set(self.free_cpu_blocks)
+        assert len(cpu_free) == len(self.free_cpu_blocks), "a CPU block is twice in the free list"
+        for block in range(self.num_cpu_blocks):
+            assert cpu_owners[block] + (block in cpu_free) == 1, \
+                f"CPU block {block} has {cpu_owners[block]} owners and is {'' if block in cpu_free else 'not '}free"
         free, evictable = list(self.free_blocks), list(self.evictable)
         free_set, evictable_set = set(free), set(evictable)
         assert len(free_set) == len(free), "a block is twice in the free list"

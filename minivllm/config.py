@@ -31,6 +31,16 @@ class EngineConfig:
     ``None`` it is sized from ``kv_cache_memory_fraction`` of the device's free
     memory (of at most 4 GiB on the CPU), and never larger than
     ``max_num_seqs`` sequences of ``max_model_len`` tokens could use.
+
+    Preemption (chapter 10): ``preemption_mode`` "recompute" frees a victim's
+    blocks, "swap" copies them to a CPU pool of ``num_cpu_blocks`` blocks
+    (default: as many as the device pool) and falls back to recompute when it
+    is full. A request that was just resumed cannot be preempted again for
+    ``preemption_protection_steps`` steps (0 turns the guard off). New requests
+    are not admitted while fewer than ``admission_watermark`` of the blocks
+    would stay free. With ``scheduling_policy="priority"`` the waiting queue is
+    ordered by priority (lower runs first), improved by ``priority_aging_rate``
+    per step waited.
     """
 
     model: str = "smollm2-135m"
@@ -44,7 +54,11 @@ class EngineConfig:
     max_prefill_chunk_size: int = 512
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"
+    num_cpu_blocks: int | None = None
+    admission_watermark: float = 0.0
+    preemption_protection_steps: int = 4
     scheduling_policy: str = "fcfs"
+    priority_aging_rate: float = 0.0
     device: str | None = None
     dtype: str = "float32"
     seed: int = 0
@@ -61,6 +75,10 @@ class EngineConfig:
         _check(is_int(self.max_prefill_chunk_size) and self.max_prefill_chunk_size >= 1, "max_prefill_chunk_size", "an integer >= 1", self.max_prefill_chunk_size)
         _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "True or False", self.enable_prefix_caching)
         _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"one of {PREEMPTION_MODES}", self.preemption_mode)
+        _check(self.num_cpu_blocks is None or (is_int(self.num_cpu_blocks) and self.num_cpu_blocks >= 0), "num_cpu_blocks", "None or an integer >= 0", self.num_cpu_blocks)
+        _check(is_number(self.admission_watermark) and 0 <= self.admission_watermark < 1, "admission_watermark", "in [0, 1)", self.admission_watermark)
+        _check(is_int(self.preemption_protection_steps) and self.preemption_protection_steps >= 0, "preemption_protection_steps", "an integer >= 0", self.preemption_protection_steps)
+        _check(is_number(self.priority_aging_rate) and self.priority_aging_rate >= 0, "priority_aging_rate", "a number >= 0", self.priority_aging_rate)
         _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
         _check(self.device is None or str(self.device).split(":")[0] in ("cpu", "cuda", "mps"), "device", "None, 'cpu', 'cuda' or 'mps'", self.device)
         _check(self.dtype in DTYPES, "dtype", f"one of {tuple(DTYPES)}", self.dtype)

@@ -55,6 +55,10 @@ class EngineStats:
     num_total_blocks: int
     prefix_cache_hit_rate: float
     num_preemptions: int
+    num_recomputed_tokens: int = 0
+    num_swapped_bytes: int = 0
+    num_free_cpu_blocks: int = 0
+    num_total_cpu_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -74,9 +78,14 @@ class LLMEngine:
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self._eos_token_ids())
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.seed)
+        self.num_cpu_blocks = 0 if config.preemption_mode != "swap" else (
+            self.num_blocks if config.num_cpu_blocks is None else config.num_cpu_blocks)
+        self.kv_bytes_per_block = PagedKVCache.bytes_per_token(self.model) * config.block_size
+        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
+                                          self.num_cpu_blocks)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self._eos_token_ids(),
+                                   self.kv_bytes_per_block)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.seed, self.num_cpu_blocks)
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
@@ -167,6 +176,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; a RequestOutput for every request that got a token."""
         out = self.scheduler.schedule()
+        self.runner.kv_cache.swap(out.swap_out, to_cpu=True)  # out first: swap-ins may reuse those blocks
+        self.runner.kv_cache.swap(out.swap_in, to_cpu=False)
         sampled = self.runner.run(out.chunks)
         produced = self.scheduler.update(out, sampled)
         self.num_steps += 1
@@ -195,11 +206,15 @@ class LLMEngine:
             num_running=sum(s.status == SequenceStatus.RUNNING for s in running),
             num_prefilling=sum(s.status == SequenceStatus.PREFILLING for s in running),
             num_waiting=len(self.scheduler.waiting),
-            num_swapped=0,
+            num_swapped=len(self.scheduler.swapped),
             num_free_blocks=bm.num_free_blocks,
             num_total_blocks=bm.num_blocks,
             prefix_cache_hit_rate=bm.prefix_hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
+            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
+            num_swapped_bytes=self.scheduler.num_swapped_bytes,
+            num_free_cpu_blocks=len(bm.free_cpu_blocks),
+            num_total_cpu_blocks=bm.num_cpu_blocks,
         )
 
     def check_invariants(self) -> None:

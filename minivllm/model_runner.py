@@ -37,11 +37,11 @@ class ScheduledChunk:
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, seed: int = 0):
+    def __init__(self, model, num_blocks: int, block_size: int, seed: int = 0, num_cpu_blocks: int = 0):
         self.model = model
         self.device = model.lm_head.weight.device
         self.block_size = block_size
-        self.kv_cache = PagedKVCache.for_model(model, num_blocks, block_size)
+        self.kv_cache = PagedKVCache.for_model(model, num_blocks, block_size, num_cpu_blocks)
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
     def prepare(self, chunks: list[ScheduledChunk]):

@@ -82,6 +82,9 @@ class Sequence:
         self.priority = priority
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []  # physical KV block ids, in token order
+        self.cpu_block_table: list[int] = []  # while SWAPPED: where its KV waits in the CPU pool
+        self.enqueued_step = 0  # scheduler step at which it last joined the waiting queue (aging)
+        self.protected_until_step = -1  # not chosen as a preemption victim before this step
         self.cached_token_count = 0
         self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                       num_prompt_tokens=len(self.prompt_token_ids))

@@ -46,7 +46,8 @@ def run_engine(llm: LLM, requests, check=True):
                 outs[o.request_id] = o.outputs[0].token_ids
         if check:
             engine.check_invariants()
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and len(bm.free_cpu_blocks) == bm.num_cpu_blocks, "blocks leaked"
     return outs
 
 

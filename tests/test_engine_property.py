@@ -1,4 +1,5 @@
-"""Random workloads on the tiny model: invariants after every step, no leaks, outputs as if run alone."""
+"""Random workloads on the tiny model, tight pools, both preemption modes: invariants after every step,
+no leaks (device or CPU pool), outputs as if each request ran alone."""
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
@@ -40,7 +41,13 @@ def workloads(draw):
         enable_chunked_prefill=draw(st.booleans()),
         max_prefill_chunk_size=draw(st.integers(1, 40)),
         enable_prefix_caching=draw(st.booleans()),
+        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+        num_cpu_blocks=draw(st.integers(0, 2 * biggest)),
+        preemption_protection_steps=draw(st.integers(0, 4)),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
+        priority_aging_rate=draw(st.sampled_from([0.0, 0.5])),
         requests=requests,
+        priorities=[draw(st.integers(0, 3)) for _ in range(n)],
         aborts=draw(st.lists(st.tuples(st.integers(0, 30), st.integers(0, n - 1)), max_size=2)),
         arrivals=[draw(st.integers(0, 6)) for _ in range(n)],
     )
@@ -52,6 +59,7 @@ def test_random_workloads(w):
     requests = w.pop("requests")
     aborts = {step: f"r{i}" for step, i in w.pop("aborts")}
     arrivals = w.pop("arrivals")
+    priorities = w.pop("priorities")
     llm = LLM("tiny-random", device="cpu", **w)
     engine = llm.engine
     finished, aborted, step = {}, set(), 0
@@ -59,7 +67,7 @@ def test_random_workloads(w):
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= step:  # requests join mid-flight
             _, i = pending.pop(0)
-            engine.add_request(*requests[i])
+            engine.add_request(*requests[i], priority=priorities[i])
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.outputs[0].token_ids
@@ -71,6 +79,7 @@ def test_random_workloads(w):
         assert step < 2000, "the engine stopped making progress"
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    assert len(bm.free_cpu_blocks) == bm.num_cpu_blocks, "CPU blocks leaked"
     assert set(finished) | aborted == {rid for rid, _, _ in requests}
     for rid, prompt, params in requests:
         if rid in finished:

@@ -9,7 +9,7 @@ from minivllm.sequence import Sequence, SequenceStatus as S
 
 def make(num_blocks=64, block_size=4, **kw):
     cfg = EngineConfig(model="tiny-random", block_size=block_size, num_blocks=num_blocks, **kw)
-    bm = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching)
+    bm = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching, cfg.num_cpu_blocks or 0)
     return Scheduler(cfg, bm, max_model_len=100_000, eos_token_ids={0})
 
 
