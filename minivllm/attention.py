@@ -218,14 +218,11 @@ class PagedKVCache:
         if not pairs:
             return
         src_ids, dst_ids = (torch.tensor(x, dtype=torch.long) for x in zip(*pairs))
-        pools = [(self.k, self.cpu_k), (self.v, self.cpu_v)]
-        for dev, cpu in pools:
-            if to_cpu:
-                cpu[:, dst_ids] = dev[:, src_ids.to(dev.device)].to("cpu", non_blocking=True)
+        for dev, cpu in ((self.k, self.cpu_k), (self.v, self.cpu_v)):
+            if to_cpu:  # a synchronous copy: the blocks may be reused by this very step
+                cpu[:, dst_ids] = dev[:, src_ids.to(dev.device)].cpu()
             else:
-                dev[:, dst_ids.to(dev.device)] = cpu[:, src_ids].to(dev.device, non_blocking=True)
-        if self.k.is_cuda:
-            torch.cuda.synchronize(self.k.device)
+                dev[:, dst_ids.to(dev.device)] = cpu[:, src_ids].to(dev.device)
 
     @staticmethod
     def bytes_per_token(model) -> int:
