@@ -1,0 +1,381 @@
+"""Matplotlib figures and ipywidgets shared by the chapters (drawing only, no engine logic)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from minivllm.attention import causal_chunk_mask
+
+__all__ = ["plot_chunk_mask", "chunk_mask_widget"]
+
+
+def plot_chunk_mask(n: int, chunk_size: int, ax=None):
+    """Draw the attention pattern of an ``n``-token prompt prefilled ``chunk_size`` tokens at a time (chapter 02).
+
+    Row ``i`` is a query, column ``j`` a key. Each chunk's rows have their own
+    colour: pale where the chunk reads keys cached by earlier chunks, solid where
+    it attends causally within itself, white where the mask forbids. Stacked,
+    the chunks' masks tile exactly the lower triangle of the dense causal mask.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4.2, 4.2))
+    colours = plt.get_cmap("tab10").colors
+    image = np.ones((n, n, 3))
+    for c, a in enumerate(range(0, n, chunk_size)):
+        b = min(a + chunk_size, n)
+        allowed = causal_chunk_mask(a, b).numpy()  # [b - a, b]
+        colour = np.array(colours[c % len(colours)])
+        for i in range(b - a):
+            for j in np.flatnonzero(allowed[i]):
+                image[a + i, j] = colour if j >= a else 1 - 0.4 * (1 - colour)
+        if a > 0:
+            ax.axhline(a - 0.5, color="black", linewidth=0.8)
+    ax.imshow(image, interpolation="nearest")
+    chunks = -(-n // chunk_size)
+    ax.set_title(f"{n} tokens, chunk size {chunk_size}: {chunks} chunk{'s' * (chunks > 1)}")
+    ax.set_xlabel("key position j (pale: read from the cache)")
+    ax.set_ylabel("query position i")
+    return ax
+
+
+def chunk_mask_widget(n: int = 16, chunk_size: int = 4):
+    """An ``IntSlider`` over the chunk size that redraws :func:`plot_chunk_mask` live (chapter 02).
+
+    Needs a running kernel (Jupyter, Colab): a static page shows no widget.
+    """
+    import sys
+
+    import ipywidgets as widgets
+
+    if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 only through its custom widget manager
+        from google.colab import output
+
+        output.enable_custom_widget_manager()
+
+    def draw(chunk_size):
+        plot_chunk_mask(n, chunk_size)
+        plt.show()
+
+    slider = widgets.IntSlider(value=chunk_size, min=1, max=n, description="chunk size", continuous_update=False)
+    return widgets.interactive(draw, chunk_size=slider)
+
+
+def _owner_colours(seqs):
+    colours = plt.get_cmap("tab10").colors
+    return {s.request_id: colours[i % len(colours)] for i, s in enumerate(seqs)}
+
+
+def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
+    """Draw a paged KV pool: physical blocks coloured by owner, and each sequence's block table (chapter 04).
+
+    Left, the pool as a grid of physical blocks: a block is coloured by the
+    sequence that owns it (hatched when several share it), labelled
+    ``request:logical block`` and shaded by how many of its slots hold tokens;
+    free blocks are white. Right, each sequence's block table in token order:
+    logical block ``j`` names the physical block that holds tokens
+    ``[j * block_size, (j + 1) * block_size)``.
+    """
+    bm, bs = block_manager, block_manager.block_size
+    colour = _owner_colours(seqs)
+    owners: dict[int, list[tuple[str, int, int]]] = {}  # block -> [(request id, logical index, tokens held)]
+    for s in seqs:
+        for j, block in enumerate(s.block_table):
+            owners.setdefault(block, []).append((s.request_id, j, min(bs, s.num_tokens - j * bs)))
+    if axes is None:
+        width = max(len(s.block_table) for s in seqs) if seqs else 1
+        _, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [ncols, max(width, 3)]})
+    ax_pool, ax_tables = axes
+    nrows = -(-bm.num_blocks // ncols)
+    for block in range(bm.num_blocks):
+        r, c = divmod(block, ncols)
+        y = nrows - 1 - r
+        who = owners.get(block, [])
+        ax_pool.add_patch(plt.Rectangle((c, y), 1, 1, facecolor="white", edgecolor="grey"))
+        if who:
+            rid, j, held = who[0]
+            ax_pool.add_patch(plt.Rectangle((c, y), 1, held / bs, facecolor=colour[rid], alpha=0.85,
+                                            hatch="//" if len(who) > 1 else None, edgecolor="grey"))
+            label = f"{rid}:{j}" + (f" (x{len(who)})" if len(who) > 1 else "")
+            ax_pool.text(c + 0.5, y + 0.62, label, ha="center", va="center", fontsize=7)
+        ax_pool.text(c + 0.5, y + 0.2, str(block), ha="center", va="center", fontsize=6, color="dimgrey")
+    ax_pool.set_xlim(0, ncols)
+    ax_pool.set_ylim(0, nrows)
+    ax_pool.set_aspect("equal")
+    ax_pool.axis("off")
+    ax_pool.set_title(f"physical pool: {bm.num_blocks} blocks of {bs} slots, {bm.num_free_blocks} free")
+    for i, s in enumerate(seqs):
+        y = len(seqs) - 1 - i
+        for j, block in enumerate(s.block_table):
+            held = min(bs, s.num_tokens - j * bs)
+            ax_tables.add_patch(plt.Rectangle((j, y + 0.1), 1, 0.8, facecolor="white", edgecolor="grey"))
+            ax_tables.add_patch(plt.Rectangle((j, y + 0.1), held / bs, 0.8, facecolor=colour[s.request_id],
+                                              alpha=0.85, edgecolor="grey"))
+            ax_tables.text(j + 0.5, y + 0.5, str(block), ha="center", va="center", fontsize=8)
+        ax_tables.text(-0.15, y + 0.5, f"{s.request_id} ({s.num_tokens} tok)", ha="right", va="center", fontsize=8)
+    width = max((len(s.block_table) for s in seqs), default=1)
+    ax_tables.set_xlim(0, max(width, 3))
+    ax_tables.set_ylim(0, max(len(seqs), 1))
+    ax_tables.axis("off")
+    ax_tables.set_title("block tables (logical block -> physical block)")
+    return axes
+
+
+__all__ += ["plot_block_pool"]
+
+
+# Chapter 06 --------------------------------------------------------------------------------------
+
+__all__ += ["plot_batch_timeline"]
+
+TIMELINE_KINDS = {  # kind -> (face colour, hatch, legend label)
+    "prefill": ("#1f77b4", None, "prefill (prompt)"),
+    "decode": ("#9ecae1", None, "decode (1 token)"),
+    "wasted": ("#eeeeee", "///", "padding: row finished, still computed"),
+}
+
+
+def plot_batch_timeline(steps, request_ids=None, ax=None, title=None):
+    """Which request ran in which engine step (chapter 06).
+
+    ``steps[t]`` lists ``(request_id, kind)`` for the requests in step ``t``'s
+    batch, ``kind`` one of ``"prefill"``, ``"decode"``, ``"wasted"``. One row per
+    request, one column per step: a request joins the batch at its first
+    coloured cell and leaves after its last.
+    """
+    if request_ids is None:
+        request_ids = list(dict.fromkeys(rid for step in steps for rid, _ in step))
+    row = {rid: i for i, rid in enumerate(request_ids)}
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(14, 2 + 0.22 * len(steps)), 0.8 + 0.32 * len(request_ids)))
+    for t, step in enumerate(steps):
+        for rid, kind in step:
+            colour, hatch, _ = TIMELINE_KINDS[kind]
+            ax.add_patch(plt.Rectangle((t, row[rid] - 0.4), 1, 0.8, facecolor=colour, hatch=hatch,
+                                       edgecolor="white" if hatch is None else "#999999", linewidth=0.5))
+    ax.set_xlim(0, max(len(steps), 1))
+    ax.set_ylim(len(request_ids) - 0.5, -0.5)
+    ax.set_yticks(range(len(request_ids)), [str(r) for r in request_ids])
+    ax.set_xlabel("engine step (one forward of the model)")
+    ax.set_ylabel("request")
+    used = {kind for step in steps for _, kind in step}
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c, hatch=h, edgecolor="#999999")
+               for k, (c, h, _) in TIMELINE_KINDS.items() if k in used]
+    ax.legend(handles, [lab for k, (_, _, lab) in TIMELINE_KINDS.items() if k in used],
+              loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title)
+    return ax
+
+
+# Chapter 08 --------------------------------------------------------------------------------------
+
+__all__ += ["plot_hash_chain"]
+
+
+def plot_hash_chain(prompts, block_size: int, hash_fn, names=None, ax=None, title=None):
+    """The prefix cache's hash chain as a tree of blocks (chapter 08).
+
+    Each full block of each prompt is a box with its tokens and the short form
+    of its chain hash ``hash_fn(parent hash, tokens)``; an arrow runs from a
+    block to the next one, whose hash it feeds. Prompts that start alike walk
+    the same boxes (drawn once, shaded), and part ways where their tokens
+    differ. A prompt's last, partial block has no hash: it is drawn dashed.
+    """
+    names = names or [f"prompt {i}" for i in range(len(prompts))]
+    nodes: dict = {}  # chain hash -> (x, y, tokens, number of prompts through it)
+    rows: list = []
+    for row, tokens in enumerate(prompts):
+        parent, path = None, []
+        for i in range(len(tokens) // block_size):
+            chunk = tuple(tokens[i * block_size:(i + 1) * block_size])
+            h = hash_fn(parent, chunk)
+            x, y, t, n = nodes.get(h, (i, row, chunk, 0))
+            nodes[h] = (x, y, t, n + 1)
+            path.append(h)
+            parent = h
+        rows.append((path, tuple(tokens[len(tokens) // block_size * block_size:])))
+    width = max(len(p) + (1 if tail else 0) for p, tail in rows)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(2.3 * width + 1.5, 1.1 * len(prompts) + 0.6))
+    bw, bh = 1.7, 0.62
+
+    def box(x, y, tokens, label, shared, dashed=False):
+        ax.add_patch(plt.Rectangle((2.3 * x, -y - bh / 2), bw, bh, facecolor="#c6dbef" if shared else "white",
+                                   edgecolor="grey" if dashed else "#08519c", linestyle="--" if dashed else "-",
+                                   linewidth=1.2))
+        text = " ".join(map(str, tokens))
+        ax.text(2.3 * x + bw / 2, -y + 0.1, text, ha="center", va="center", fontsize=8 if len(text) <= 18 else 6)
+        ax.text(2.3 * x + bw / 2, -y - 0.16, label, ha="center", va="center", fontsize=7,
+                color="dimgrey" if dashed else "#08519c", family="monospace")
+
+    for h, (x, y, tokens, n) in nodes.items():
+        box(x, y, tokens, f"#{h & 0xFFFF:04x}", n > 1)
+    for row, (path, tail) in enumerate(rows):
+        for a, b in zip(path, path[1:]):
+            (xa, ya, *_), (xb, yb, *_) = nodes[a], nodes[b]
+            ax.annotate("", xy=(2.3 * xb, -yb), xytext=(2.3 * xa + bw, -ya),
+                        arrowprops=dict(arrowstyle="->", color="#08519c", lw=1))
+        if tail:
+            x = len(path)
+            box(x, row, tail, "partial: no hash", False, dashed=True)
+            if path:
+                xa, ya, *_ = nodes[path[-1]]
+                ax.annotate("", xy=(2.3 * x, -row), xytext=(2.3 * xa + bw, -ya),
+                            arrowprops=dict(arrowstyle="->", color="grey", lw=1, linestyle="--"))
+        ax.text(-0.2, -row, names[row], ha="right", va="center", fontsize=9)
+        if not tail and all(nodes[h][1] != row for h in path):
+            ax.text(0, -row, f"all {len(path)} blocks drawn in the rows above (shared)", va="center", fontsize=8,
+                    color="dimgrey", style="italic")
+    ax.set_xlim(-2.2, 2.3 * width)
+    ax.set_ylim(-len(prompts) + 0.4, 0.6)
+    ax.axis("off")
+    ax.set_title(title or f"hash chain, block_size={block_size}: box = full block (tokens, #hash); "
+                          "shaded = shared by several prompts", fontsize=9)
+    return ax
+
+
+# Chapter 09 --------------------------------------------------------------------------------------
+
+__all__ += ["plot_prompt_chunks", "plot_step_timeline", "plot_stream_gaps", "plot_chunk_tradeoff", "choice_widget"]
+
+
+def plot_prompt_chunks(prompt_len: int, cached: int, chunks, ax=None, title=None):
+    """One prompt as a bar: the prefix served from the cache, then each prefill chunk ``(start, end)`` (chapter 09)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(9, 1.3))
+    if cached:
+        ax.barh(0, cached, left=0, color="#bbbbbb", edgecolor="white")
+        ax.text(cached / 2, 0, "from the prefix cache", ha="center", va="center", fontsize=8)
+    colours = plt.get_cmap("tab10").colors
+    for i, (a, b) in enumerate(chunks):
+        ax.barh(0, b - a, left=a, color=colours[i % len(colours)], edgecolor="white", alpha=0.85)
+        if (b - a) / prompt_len > 0.04:
+            ax.text((a + b) / 2, 0, f"chunk\n{i}", ha="center", va="center", fontsize=7)
+    edges = sorted({0, cached, prompt_len} | {x for c in chunks for x in c})
+    ax.set_xticks(edges, [str(x) for x in edges], fontsize=7)
+    ax.set_xlim(0, prompt_len)
+    ax.set_yticks([])
+    ax.set_xlabel("prompt position (chunk boundaries marked)")
+    ax.set_title(title or f"{prompt_len}-token prompt: {cached} tokens from the prefix cache, "
+                          f"{len(chunks)} prefill chunk{'s' * (len(chunks) != 1)}", fontsize=9)
+    return ax
+
+
+def plot_step_timeline(trace, ax=None, title=None, max_tokens=None):
+    """Each engine step of a :class:`~minivllm.bench.ServingTrace` on the wall clock (chapter 09).
+
+    A bar spans the step's duration; its height is the number of tokens the
+    step computed, split into decode tokens (light) and prompt tokens (dark).
+    A wide dark bar is a long prefill: every stream waits for it to end.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 2.6))
+    t0 = trace.start
+    for st in trace.steps:
+        x, w = st.start - t0, st.seconds
+        ax.bar(x, st.num_decodes, width=w, align="edge", color="#9ecae1", edgecolor="white", linewidth=0.3)
+        ax.bar(x, st.prefill_tokens, width=w, bottom=st.num_decodes, align="edge", color="#08519c",
+               edgecolor="white", linewidth=0.3)
+    ax.set_xlim(0, trace.seconds)
+    if max_tokens:
+        ax.set_ylim(0, max_tokens)
+    ax.set_xlabel("time since the first request (s)")
+    ax.set_ylabel("tokens in the step")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#08519c", "#9ecae1")]
+    ax.legend(handles, ["prompt tokens", "decode tokens"], loc="upper right", fontsize=8, frameon=False)
+    ax.set_title(title or trace.label, fontsize=10)
+    return ax
+
+
+def plot_stream_gaps(trace, request_ids, ax=None, title=None, max_gap=None, label=None, color=None):
+    """The streams' inter-token gaps against the time each token appeared (chapter 09).
+
+    One dot per output token after the first: its height is how long the user
+    waited for it since the previous token of the same request.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 2.6))
+    t0 = trace.start
+    xs, ys = [], []
+    for rid in request_ids:
+        times = trace.metrics[rid].token_times
+        xs += [b - t0 for b in times[1:]]
+        ys += [b - a for a, b in zip(times, times[1:])]
+    ax.scatter(xs, ys, s=10, color=color or "#d62728", label=label)
+    arrival = trace.metrics.get("long")
+    if arrival is not None:
+        ax.axvline(arrival.arrival_time - t0, color="grey", linestyle="--", linewidth=1)
+        ax.text(arrival.arrival_time - t0, ax.get_ylim()[1] if max_gap is None else max_gap, " long prompt arrives",
+                fontsize=8, va="top", color="dimgrey")
+    ax.set_xlim(0, trace.seconds)
+    ax.set_ylim(0, max_gap or None)
+    ax.set_xlabel("time since the first request (s)")
+    ax.set_ylabel("gap before token (s)")
+    ax.set_title(title or f"{trace.label}: inter-token gaps of the streams", fontsize=10)
+    return ax
+
+
+def plot_chunk_tradeoff(summaries: dict, selected=None, axes=None):
+    """Worst stream gap, long-prompt TTFT and throughput for each chunk-size setting (chapter 09).
+
+    ``summaries`` maps a setting's label to :func:`~minivllm.bench.interference_summary`;
+    the ``selected`` label is drawn dark.
+    """
+    if axes is None:
+        _, axes = plt.subplots(1, 3, figsize=(11, 2.8))
+    labels = list(summaries)
+    colours = ["#08519c" if lab == selected else "#9ecae1" for lab in labels]
+    panels = [("max_gap", "longest gap of a stream (s)", "lower is better"),
+              ("long_ttft", "long prompt's TTFT (s)", "lower is better"),
+              ("throughput", "output tokens / s", "higher is better")]
+    for ax, (key, ylabel, better) in zip(axes, panels):
+        ax.bar(range(len(labels)), [summaries[lab][key] for lab in labels], color=colours)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.set_title(better, fontsize=8)
+    return axes
+
+
+def choice_widget(options, draw, description: str = "setting", value=None):
+    """A ``Dropdown`` over ``options`` that calls ``draw(option)`` on every change (chapter 09).
+
+    Needs a running kernel (Jupyter, Colab): a static page shows no widget.
+    """
+    import sys
+
+    import ipywidgets as widgets
+
+    if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 only through its custom widget manager
+        from google.colab import output
+
+        output.enable_custom_widget_manager()
+    options = list(options)
+    dropdown = widgets.Dropdown(options=options, value=options[0] if value is None else value,
+                                description=description)
+    return widgets.interactive(draw, option=dropdown)
+# -- end of the chapters 08-09 section --
+
+
+# Chapter 10 --------------------------------------------------------------------------------------
+
+__all__ += ["plot_preemption_comparison"]
+
+TIMELINE_KINDS.setdefault("recompute", ("#d62728", None, "prefill again after preemption (recompute)"))
+TIMELINE_KINDS.setdefault("preempted", ("#ffffff", "xx", "preempted in this step"))
+
+
+def plot_preemption_comparison(rows: dict, axes=None):
+    """Chapter 10's bar charts: completion time, mean TTFT, mean TPOT and preemptions per setting."""
+    names = list(rows)
+    panels = [("completion_s", "completion time (s)", 1), ("mean_ttft_s", "mean TTFT (s)", 1),
+              ("mean_tpot_s", "mean TPOT (ms)", 1e3), ("preemptions", "preemptions", 1)]
+    if axes is None:
+        _, axes = plt.subplots(1, len(panels), figsize=(13, 2.8))
+    colours = ["#7f7f7f", "#d62728", "#1f77b4", "#2ca02c", "#9467bd"]
+    for ax, (key, label, scale) in zip(axes, panels):
+        ax.bar(names, [rows[n][key] * scale for n in names], color=colours[:len(names)])
+        ax.set_title(label, fontsize=10)
+        ax.tick_params(axis="x", labelrotation=30)
+    plt.tight_layout()
+    return axes
