@@ -168,7 +168,9 @@ def _hf_generation_config(hf_model, max_new_tokens: int):
     import copy
 
     gc = copy.deepcopy(hf_model.generation_config)
-    gc.update(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=None, eos_token_id=None,
+    # eos_token_id=None would fall back to the model's EOS; an empty list means "no EOS". (min_new_tokens
+    # would not do: it masks EOS out, changing the argmax wherever EOS is the greedy choice.)
+    gc.update(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=None, eos_token_id=[],
               temperature=None, top_k=None, top_p=None)
     if gc.pad_token_id is None:
         gc.pad_token_id = 0
@@ -265,6 +267,9 @@ def main(argv=None) -> int:
         start = now(device)
         result = fn(prompts, outs)
         seconds = now(device) - start
+        short = [i for i, (r, n) in enumerate(zip(result, outs)) if len(r) != n]
+        if short:
+            print(f"  warning: {name} returned a wrong number of tokens for requests {short}")
         got = sum(min(len(r), n) for r, n in zip(result, outs))
         rows.append((name, seconds, got / seconds))
         print(f"  {name:<60} {seconds:8.2f} s {got / seconds:10.1f} output tok/s", flush=True)
@@ -290,6 +295,14 @@ def main(argv=None) -> int:
 
     single = timed("HF generate, one request at a time", lambda ps, ns: hf_generate_one_at_a_time(hf, ps, ns))
     mismatches = compare("greedy check, minivllm vs HF one at a time", ours, single)
+    for i, j in mismatches:  # a greedy divergence is a bug unless the two choices were (numerically) tied
+        if j is not None and j < min(len(ours[i]), len(single[i])):
+            with torch.inference_mode():
+                ids = torch.tensor([list(prompts[i]) + single[i][:j]], device=device)
+                logits = hf(ids).logits[0, -1].float()
+            gap = abs(float(logits[single[i][j]] - logits[ours[i][j]]))
+            print(f"    request {i}, token {j}: HF picks {single[i][j]}, minivllm {ours[i][j]}; HF's own logits "
+                  f"for the two differ by {gap:.1e} ({'a near-tie: fp32 rounding' if gap < 1e-3 else 'NOT a tie'})")
     bs = args.hf_batch_size
     batched = timed(f"HF generate, static batches of {bs} (left-padded)",
                     lambda ps, ns: hf_generate_static_batches(hf, ps, ns, bs))
