@@ -152,10 +152,13 @@ class BlockManager:
             seq.block_table.append(block)
             links.append((h, (block, self.generation[block])))
         self.seq_links[seq.request_id] = links
-        hit = len(links) * bs
-        self.prefix_queried_tokens += seq.num_prompt_tokens
-        self.prefix_hit_tokens += hit
-        return hit
+        return len(links) * bs
+
+    def record_prefix_lookup(self, seq: Sequence, hit_tokens: int) -> None:
+        """Count an admitted request's lookup in the hit rate (a failed admission is retried, not counted)."""
+        if self.enable_prefix_caching:
+            self.prefix_queried_tokens += seq.num_prompt_tokens
+            self.prefix_hit_tokens += hit_tokens
 
     def register_computed_blocks(self, seq: Sequence) -> None:
         """Make ``seq``'s newly completed full blocks findable (their KV is now written).

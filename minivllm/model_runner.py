@@ -9,7 +9,7 @@ that end at their sequence's last token, and samples those.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,15 +25,14 @@ class ScheduledChunk:
     seq: Sequence
     start: int
     num_tokens: int
+    samples: bool = field(init=False)  # only a chunk that reaches the sequence's last token samples
+
+    def __post_init__(self):
+        self.samples = self.end == self.seq.num_tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Only a chunk that reaches the sequence's last token produces a new token."""
-        return self.end == self.seq.num_tokens
 
 
 class ModelRunner:

@@ -126,10 +126,7 @@ class Scheduler:
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
             seq = self._next_waiting()
             if not seq.block_table:
-                hit = bm.match_prefix(seq)
-                seq.cached_token_count = hit
-                if seq.metrics.first_scheduled_time is None:
-                    seq.metrics.num_cached_tokens = hit
+                seq.cached_token_count = bm.match_prefix(seq)
             n = self._chunk_size(seq, budget)
             new_blocks = bm.blocks_needed(seq, seq.cached_token_count + n)
             watermark_ok = (seq.metrics.first_scheduled_time is not None  # admission control: new requests only
@@ -139,8 +136,10 @@ class Scheduler:
                 seq.cached_token_count = 0
                 break
             self.waiting.remove(seq)
+            bm.record_prefix_lookup(seq, seq.cached_token_count)
             if seq.metrics.first_scheduled_time is None:
                 seq.metrics.first_scheduled_time = time.perf_counter()
+                seq.metrics.num_cached_tokens = seq.cached_token_count
             budget -= self._start(seq, n, out, scheduled)
 
         for c in out.chunks:  # a prefill whose chunk reaches the end will sample: it is RUNNING
