@@ -21,7 +21,7 @@ from minivllm.detokenizer import IncrementalDetokenizer
 from minivllm.model_runner import ModelRunner
 from minivllm.models import load_model
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler
+from minivllm.scheduler import Scheduler, SchedulerOutput
 from minivllm.sequence import RequestMetrics, Sequence, SequenceStatus
 
 
@@ -89,6 +89,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}  # unfinished requests by id
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
+        self.last_schedule = SchedulerOutput()  # what the latest step ran (chapters draw timelines from it)
 
     def _eos_token_ids(self) -> set[int]:
         """The tokenizer's EOS plus the checkpoint's generation config EOS ids (as HF ``generate`` uses)."""
