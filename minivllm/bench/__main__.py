@@ -1,0 +1,3 @@
+from minivllm.bench.experiments import main
+
+raise SystemExit(main())
