@@ -14,6 +14,7 @@ from typing import Iterator
 
 import torch
 
+from minivllm.bench.timing import PhaseClock
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig, free_memory_bytes, is_int
 from minivllm.attention import PagedKVCache
@@ -90,6 +91,8 @@ class LLMEngine:
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
         self.num_steps = 0
         self.last_schedule = SchedulerOutput()  # what the latest step ran (chapters draw timelines from it)
+        self.last_step_phases: dict[str, float] = {}  # seconds per phase of the latest step (chapter 11)
+        self.sync_phase_timing = False  # on a GPU, wait for the device at each phase boundary
 
     def _eos_token_ids(self) -> set[int]:
         """The tokenizer's EOS plus the checkpoint's generation config EOS ids (as HF ``generate`` uses)."""
@@ -176,14 +179,21 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample; a RequestOutput for every request that got a token."""
+        clock = PhaseClock(self.runner.device, sync=self.sync_phase_timing)
         out = self.scheduler.schedule()
+        clock.mark("schedule")
         self.runner.kv_cache.swap(out.swap_out, to_cpu=True)  # out first: swap-ins may reuse those blocks
         self.runner.kv_cache.swap(out.swap_in, to_cpu=False)
-        sampled = self.runner.run(out.chunks)
+        clock.mark("swap")
+        sampled = self.runner.run(out.chunks, clock)
         produced = self.scheduler.update(out, sampled)
+        clock.mark("update")
+        outputs = [self._output(seq) for seq in produced]
+        clock.mark("detokenize")
         self.num_steps += 1
         self.last_schedule = out
-        return [self._output(seq) for seq in produced]
+        self.last_step_phases = clock.phases
+        return outputs
 
     def _output(self, seq: Sequence) -> RequestOutput:
         detok = self.detokenizers[seq.request_id]

@@ -57,18 +57,27 @@ class ModelRunner:
         return as_tensor(ids), as_tensor(positions), batch, as_tensor(logits_rows)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> list[int]:
-        """One forward over every chunk; returns a sampled token for each chunk that samples, in order."""
+    def run(self, chunks: list[ScheduledChunk], clock=None) -> list[int]:
+        """One forward over every chunk; returns a sampled token for each chunk that samples, in order.
+
+        ``clock`` (a :class:`minivllm.bench.PhaseClock`) gets the phases prepare,
+        forward and sample marked, for chapter 11's breakdown of a step.
+        """
+        mark = clock.mark if clock is not None else (lambda name: None)
         if not chunks:
             return []
         ids, positions, batch, rows = self.prepare(chunks)
         self.kv_cache.batch = batch
+        mark("prepare")
         hidden = self.model.forward(ids, positions, self.kv_cache)
+        mark("forward")
         if len(rows) == 0:
             return []
         logits = self.model.compute_logits(hidden[rows])
         sampling = [c.seq for c in chunks if c.samples]
-        return sample(logits, [s.params for s in sampling], [s.generator for s in sampling], self.generator)
+        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], self.generator)
+        mark("sample")
+        return tokens
 
     def run_prefill_chunk(self, seq: Sequence, chunk_token_ids: list[int], start_pos: int) -> int | None:
         """Prefill ``chunk_token_ids`` of ``seq`` at positions ``start_pos`` onward (chapter 09).

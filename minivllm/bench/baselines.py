@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +60,7 @@ class StaticBatchOutput:
     token_slots: int = 0  # token positions computed, padding and finished rows included
     useful_tokens: int = 0  # prompt tokens + requested output tokens
     batch_steps: list[int] = field(default_factory=list)  # decode steps of each batch (= its longest output)
+    token_times: list[list[float]] = field(default_factory=list)  # perf_counter time of each request's tokens
 
     @property
     def waste(self) -> float:
@@ -95,11 +97,15 @@ def static_batch_generate(model, prompts_ids: list[list[int]], max_tokens_list: 
         pos = (torch.arange(P, device=device)[None, :] - torch.tensor(pad, device=device)[:, None]).clamp(min=0)
         hidden = model.forward(ids.flatten(), pos.flatten(), cache).view(B, P, -1)
         out = [[] for _ in range(B)]
+        times = [[] for _ in range(B)]
         next_ids = model.compute_logits(hidden[:, -1]).argmax(dim=-1)  # [B]
         result.num_forwards += 1
         for step in range(steps):
+            new = next_ids.tolist()
+            t = time.perf_counter()
             for r in range(B):
-                out[r].append(int(next_ids[r]))
+                out[r].append(new[r])
+                times[r].append(t)
             if step == steps - 1:
                 break
             pos = torch.tensor([P + step - n for n in pad], device=device)
@@ -107,6 +113,7 @@ def static_batch_generate(model, prompts_ids: list[list[int]], max_tokens_list: 
             next_ids = model.compute_logits(hidden).argmax(dim=-1)
             result.num_forwards += 1
         result.token_ids.extend(o[:w] for o, w in zip(out, wants))
+        result.token_times.extend(t[:w] for t, w in zip(times, wants))
         result.token_slots += B * P + B * (steps - 1)
         result.useful_tokens += sum(map(len, prompts)) + sum(wants) - B
         result.batch_steps.append(steps)

@@ -30,6 +30,9 @@ class Arrival:
 
     ``after_first_token_of`` builds a closed loop (a chat user who sends the next
     question once the previous answer starts); left ``None``, only the step counts.
+    ``at_time`` (seconds after the replay starts) makes an open loop on the wall
+    clock instead, as online serving sees it (chapter 11's Poisson arrivals);
+    the request's arrival time is then that moment, so queueing counts in its TTFT.
     """
 
     request_id: str
@@ -37,6 +40,7 @@ class Arrival:
     params: object  # SamplingParams
     at_step: int = 0
     after_first_token_of: str | None = None
+    at_time: float | None = None
 
 
 def _exactly(n: int):
@@ -82,3 +86,116 @@ def squeezed_arrivals(tokenizer, num_requests: int = 8, prompt_len=(24, 48), out
 
 def _blocks_for(arrivals: list[Arrival], block_size: int) -> int:
     return sum(-(-(len(a.prompt) + a.params.max_tokens) // block_size) for a in arrivals)
+
+
+# -- Named workloads for the harness (chapter 11) ------------------------------------------------------
+
+@dataclass
+class Workload:
+    """A named, seeded workload: the requests and when they arrive, plus the KV pool it asks for.
+
+    ``pool_fraction`` (memory pressure) sizes the KV pool to that share of
+    what all requests would hold at once; None leaves the engine's own size.
+    """
+
+    name: str
+    description: str
+    arrivals: list[Arrival]
+    pool_fraction: float | None = None
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        return [list(a.prompt) for a in self.arrivals]
+
+    @property
+    def max_tokens(self) -> list[int]:
+        return [a.params.max_tokens for a in self.arrivals]
+
+    @property
+    def is_offline(self) -> bool:
+        """Every request is there at the start: the only kind one-request-at-a-time baselines can run."""
+        return all(a.at_step == 0 and a.after_first_token_of is None and not a.at_time for a in self.arrivals)
+
+    def kv_blocks_needed(self, block_size: int) -> int:
+        return _blocks_for(self.arrivals, block_size)
+
+    def num_blocks(self, block_size: int) -> int | None:
+        """The squeezed pool of a memory-pressure workload (never below its longest request), else None."""
+        if self.pool_fraction is None:
+            return None
+        longest = max(-(-(len(a.prompt) + a.params.max_tokens) // block_size) for a in self.arrivals)
+        return max(int(self.kv_blocks_needed(block_size) * self.pool_fraction), longest)
+
+
+def poisson_times(num_requests: int, rate: float, seed: int = 0) -> list[float]:
+    """Send times of a Poisson process with ``rate`` requests per second: exponential gaps, first at 0."""
+    import random
+
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0 requests per second, got {rate}")
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(num_requests):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+def _offline(tokenizer, num_requests=32, prompt_len=(16, 256), output_len=(64, 64), seed=0):
+    prompts, outs = random_workload(tokenizer, num_requests, tuple(prompt_len), tuple(output_len), seed)
+    return Workload("offline", f"{num_requests} requests at once, prompts {prompt_len[0]}-{prompt_len[1]} tokens, "
+                    f"{output_len[0]}-{output_len[1]} output tokens",
+                    [Arrival(f"req-{i}", p, _exactly(n)) for i, (p, n) in enumerate(zip(prompts, outs))])
+
+
+def _online(tokenizer, num_requests=32, prompt_len=(16, 256), output_len=(16, 64), rate=4.0, seed=0):
+    prompts, outs = random_workload(tokenizer, num_requests, tuple(prompt_len), tuple(output_len), seed)
+    times = poisson_times(num_requests, rate, seed)
+    return Workload("online", f"{num_requests} requests, Poisson arrivals at {rate:g}/s, prompts "
+                    f"{prompt_len[0]}-{prompt_len[1]} tokens, {output_len[0]}-{output_len[1]} output tokens",
+                    [Arrival(f"req-{i}", p, _exactly(n), at_time=t)
+                     for i, (p, n, t) in enumerate(zip(prompts, outs, times))])
+
+
+def _shared_prefix(tokenizer, num_requests=16, prefix_len=512, suffix_len=(16, 48), output_len=(16, 16),
+                   rate=2.0, seed=0):
+    (system,), _ = random_workload(tokenizer, 1, (prefix_len, prefix_len), (1, 1), seed)
+    suffixes, outs = random_workload(tokenizer, num_requests, tuple(suffix_len), tuple(output_len), seed + 1)
+    times = poisson_times(num_requests, rate, seed)
+    return Workload("shared-prefix", f"{num_requests} requests sharing a {prefix_len}-token system prompt, own "
+                    f"suffix {suffix_len[0]}-{suffix_len[1]} tokens, Poisson arrivals at {rate:g}/s",
+                    [Arrival(f"req-{i}", system + s, _exactly(n), at_time=t)
+                     for i, (s, n, t) in enumerate(zip(suffixes, outs, times))])
+
+
+def _interference(tokenizer, num_streams=8, stream_prompt_len=16, stream_tokens=64, num_long=2,
+                  long_prompt_len=1500, long_tokens=16, long_every=1.0, seed=0):
+    streams, _ = random_workload(tokenizer, num_streams, (stream_prompt_len, stream_prompt_len), (1, 1), seed)
+    longs, _ = random_workload(tokenizer, num_long, (long_prompt_len, long_prompt_len), (1, 1), seed + 1)
+    return Workload("interference", f"{num_streams} streams of {stream_tokens} tokens; a {long_prompt_len}-token "
+                    f"prompt every {long_every:g} s ({num_long} in all) while they decode",
+                    [Arrival(f"stream-{i}", p, _exactly(stream_tokens)) for i, p in enumerate(streams)]
+                    + [Arrival(f"long-{i}", p, _exactly(long_tokens), at_time=long_every * (i + 1))
+                       for i, p in enumerate(longs)])
+
+
+def _memory_pressure(tokenizer, num_requests=16, prompt_len=(64, 128), output_len=(64, 64), pool_fraction=0.3,
+                     seed=0):
+    w = _offline(tokenizer, num_requests, prompt_len, output_len, seed)
+    return Workload("memory-pressure", w.description + f"; KV pool {pool_fraction:.0%} of what they need at once",
+                    w.arrivals, pool_fraction)
+
+
+WORKLOADS = {"offline": _offline, "online": _online, "shared-prefix": _shared_prefix,
+             "interference": _interference, "memory-pressure": _memory_pressure}
+
+
+def make_workload(name: str, tokenizer, seed: int = 0, **sizes) -> Workload:
+    """The workload ``name`` (one of :data:`WORKLOADS`), drawn with ``seed``; ``sizes`` override its defaults.
+
+    Defaults are the issue's CPU sizes (offline: 32 requests, prompts 16-256,
+    64 output tokens); chapters pass smaller ones on a CPU and larger on a GPU.
+    """
+    if name not in WORKLOADS:
+        raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}")
+    return WORKLOADS[name](tokenizer, seed=seed, **sizes)

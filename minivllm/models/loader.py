@@ -170,4 +170,5 @@ def _load(name, device, dtype):
     model.inv_freq = inv_freq
     model = model.to(device=device, dtype=dtype).eval()
     model.inv_freq = inv_freq.to(model.lm_head.weight.device)  # RoPE frequencies stay fp32
+    model.pack_weights(os.environ.get("MINIVLLM_PACK_WEIGHTS", "1") != "0")
     return model, load_tokenizer(name)

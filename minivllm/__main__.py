@@ -1,0 +1,166 @@
+"""Command line: ``python -m minivllm generate "prompt"`` and ``python -m minivllm bench --workload NAME``.
+
+``generate`` streams a chat reply from the embedded model (chapter 07);
+``bench`` runs one of chapter 11's workloads through minivllm, and on an
+offline workload through HF transformers too, and prints vLLM-style metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _generate(args) -> int:
+    from minivllm import LLM, SamplingParams
+    from minivllm.simple_generation import chat_prompt_ids
+
+    llm = LLM(args.model, device=args.device)
+    tokenizer = llm.get_tokenizer()
+    prompt = args.prompt if args.raw else chat_prompt_ids(tokenizer, args.prompt, args.system)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    for text in llm.stream(prompt, params):
+        print(text, end="", flush=True)
+    print()
+    return 0
+
+
+COMPARISONS = ("hf-batch", "hf-static", "hf-single", "static", "contiguous", "naive")
+
+
+def _bench(args) -> int:
+    import torch
+
+    from minivllm.bench import (format_results, make_workload, measure_machine, roofline, run_contiguous,
+                                run_engine, run_hf_generate, run_hf_generate_batch, run_naive, run_static,
+                                same_outputs)
+    from minivllm.config import default_device
+    from minivllm.models import load_model, model_folder
+
+    device = torch.device(args.device) if args.device else default_device()
+    model, tokenizer = load_model(args.model, device)
+    sizes = {k: v for k, v in (("num_requests", args.num_requests), ("prompt_len", args.prompt_len),
+                               ("output_len", args.output_len), ("rate", args.rate)) if v is not None}
+    workload = make_workload(args.workload, tokenizer, seed=args.seed, **sizes)
+    compare = COMPARISONS[:2] if args.compare is None and workload.is_offline else (args.compare or [])
+    compare = [c for c in compare if c != "none"]
+    if compare and not workload.is_offline:
+        print(f"--compare needs an offline workload; {workload.name!r} has arrivals over time", file=sys.stderr)
+        return 2
+    print(f"workload {workload.name}: {workload.description}; greedy, ignore_eos, seed {args.seed}")
+    print(f"model {args.model} float32 on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
+                                                       if device.type == "cpu" else ""), flush=True)
+
+    opts = dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.prefix_caching, device=str(device))
+    if args.max_num_seqs:
+        opts["max_num_seqs"] = args.max_num_seqs
+    if args.chunked_prefill:
+        opts.update(enable_chunked_prefill=True, max_prefill_chunk_size=args.chunked_prefill)
+    results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
+    ours = results[0]
+    hf = None
+    for name in compare:
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        if name.startswith("hf") and hf is None:
+            from transformers import AutoModelForCausalLM
+
+            hf = AutoModelForCausalLM.from_pretrained(model_folder(args.model), dtype=torch.float32).to(device).eval()
+        results.append({"hf-batch": lambda: run_hf_generate_batch(hf, workload),
+                        "hf-static": lambda: run_hf_generate(hf, workload, args.hf_batch_size),
+                        "hf-single": lambda: run_hf_generate(hf, workload, 1),
+                        "static": lambda: run_static(model, workload, args.hf_batch_size),
+                        "contiguous": lambda: run_contiguous(model, workload),
+                        "naive": lambda: run_naive(model, workload)}[name]())
+
+    slo = {k: v / 1e3 for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot)) if v is not None} or None
+    limits = measure_machine(model) if args.roofline else None
+    bound = roofline(model, workload, limits) if limits else None
+    print()
+    print(format_results(results, ours, slo, bound["seconds"] if bound else None))
+    print(f"\nminivllm, {workload.name}:")
+    print(ours.metrics(slo).table())
+    used = [s.kv_utilization for s in ours.steps]
+    waste = [s.wasted_slots / max(1, s.used_blocks * s.block_size) for s in ours.steps if s.used_blocks]
+    print(f"KV pool: {ours.steps[0].total_blocks} blocks of {args.block_size}; in use mean {sum(used) / len(used):.0%}, "
+          f"peak {max(used):.0%}; slots in partly filled blocks {100 * sum(waste) / max(1, len(waste)):.1f}% of used; "
+          f"preemptions {ours.stats.num_preemptions}; {len(ours.steps)} steps")
+    if limits:
+        print(f"machine: {limits}")
+        print(f"roofline for this workload: {bound['seconds']:.2f} s ({bound['prefill_s']:.2f} s prefill, "
+              f"{bound['decode_s']:.2f} s decode) = {bound['throughput']:.1f} output tok/s; "
+              f"minivllm reaches {bound['seconds'] / ours.seconds:.0%}")
+    for r in results[1:]:
+        print(f"minivllm / {r.name}: {ours.throughput / r.throughput:.2f}x "
+              f"(greedy outputs identical for {same_outputs(ours, r)}/{len(r.token_ids)} requests)")
+    if args.json:
+        report = {"workload": {"name": workload.name, "description": workload.description, "seed": args.seed,
+                               "num_requests": len(workload.arrivals)},
+                  "model": args.model, "device": str(device), "engine_options": opts,
+                  "results": [{"name": r.name, "seconds": r.seconds, "output_tokens": r.output_tokens,
+                               "output_throughput": r.throughput, "ratio_minivllm": ours.throughput / r.throughput,
+                               "same_outputs_as_minivllm": same_outputs(ours, r), **r.metrics(slo).as_dict()}
+                              for r in results],
+                  "kv_utilization": [s.kv_utilization for s in ours.steps],
+                  "machine": None if not limits else {"flops": limits.flops, "bandwidth": limits.bandwidth},
+                  "roofline": bound}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+def main(argv=None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(prog="python -m minivllm", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a reply from the model", description=(
+                       "Stream a chat reply to PROMPT from the model (the chat template is applied unless --raw)."))
+    g.add_argument("prompt")
+    g.add_argument("--model", default="smollm2-135m", help="smollm2-135m (embedded), tiny-random, an HF repo id or folder")
+    g.add_argument("--system", default=None, help="a system message")
+    g.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+
+    from minivllm.bench.workloads import WORKLOADS
+
+    b = sub.add_parser("bench", help="run a benchmark workload and print the metrics",
+                       description="Run a workload through minivllm (and, offline, through HF transformers) and "
+                                   "print throughput, TTFT/TPOT/ITL/E2E percentiles, KV use and the roofline.")
+    b.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    b.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
+    b.add_argument("--model", default="smollm2-135m")
+    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--num-requests", type=int, default=None, help="override the workload's number of requests")
+    b.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    b.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
+    b.add_argument("--rate", type=float, default=None, help="requests per second (online, shared-prefix)")
+    b.add_argument("--compare", nargs="+", choices=COMPARISONS + ("none",), default=None,
+                   help="baselines on the same workload (offline only; default hf-batch hf-static)")
+    b.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf-static/static baselines")
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--max-num-seqs", type=int, default=None, help="default: every request of the workload")
+    b.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    b.add_argument("--chunked-prefill", type=int, default=0, metavar="CHUNK", help="enable with this chunk size")
+    b.add_argument("--prefix-caching", action="store_true")
+    b.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="goodput: TTFT limit in ms")
+    b.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="goodput: TPOT limit in ms")
+    b.add_argument("--no-roofline", dest="roofline", action="store_false", help="skip measuring the machine")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return _generate(args) if args.command == "generate" else _bench(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,377 @@
+"""The benchmark harness: one workload through every system, the same metrics for all (chapter 11).
+
+:func:`run_engine` replays a :class:`~minivllm.bench.workloads.Workload` through
+minivllm step by step; the ``run_*`` baselines (naive, contiguous cache,
+static batches, HF transformers) run offline workloads the way a user of each
+would. Each returns a :class:`BenchResult`: wall time, outputs, and per-request
+token times, so TTFT, TPOT, ITL and E2E mean the same thing for every row.
+:func:`roofline` says how fast the machine could run the workload at all.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.bench.baselines import static_batch_generate
+from minivllm.bench.metrics import RequestTimes, ServingMetrics, serving_metrics
+from minivllm.bench.timing import Timer, now
+from minivllm.bench.trace import StepRecord, replay
+from minivllm.bench.workloads import Workload, random_workload, _exactly
+
+__all__ = ["BenchResult", "run_engine", "run_naive", "run_contiguous", "run_static", "run_hf_generate",
+           "run_hf_generate_batch", "LADDER", "run_ladder", "MachineLimits", "measure_machine", "roofline",
+           "step_breakdown", "format_results", "same_outputs"]
+
+
+@dataclass
+class BenchResult:
+    """What one system did with one workload: wall time, outputs and when each token appeared."""
+
+    name: str
+    seconds: float
+    token_ids: list[list[int]]  # in the workload's request order
+    requests: list  # per request: arrival_time and token_times (RequestMetrics or RequestTimes)
+    steps: list[StepRecord] = field(default_factory=list)  # engine steps (minivllm only)
+    stats: object = None  # the engine's EngineStats after the run (minivllm only)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(map(len, self.token_ids))
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per second of wall time."""
+        return self.output_tokens / self.seconds
+
+    def metrics(self, slo: dict | None = None) -> ServingMetrics:
+        return serving_metrics(self.requests, self.seconds, slo)
+
+
+def same_outputs(a: BenchResult, b: BenchResult) -> int:
+    """How many requests got identical token ids in both results."""
+    return sum(x == y for x, y in zip(a.token_ids, b.token_ids))
+
+
+# -- minivllm ------------------------------------------------------------------------------------------
+
+def run_engine(workload: Workload, model: str = "smollm2-135m", name: str = "minivllm", progress: bool = False,
+               **engine_options) -> BenchResult:
+    """Replay ``workload`` through a fresh :class:`~minivllm.LLM` built with ``engine_options``.
+
+    One short untimed request warms the engine up first; a memory-pressure
+    workload gets its squeezed pool unless ``num_blocks`` is given.
+    """
+    from tqdm.auto import tqdm
+
+    from minivllm import LLM
+
+    block_size = engine_options.get("block_size", 16)
+    if workload.pool_fraction is not None and "num_blocks" not in engine_options:
+        engine_options["num_blocks"] = workload.num_blocks(block_size)
+    engine_options.setdefault("max_num_seqs", max(16, len(workload.arrivals)))
+    llm = LLM(model, **engine_options)
+    (warm,), _ = random_workload(llm.get_tokenizer(), 1, (40, 40), (1, 1), seed=12345)
+    llm.generate([warm], _exactly(2), use_tqdm=False)
+    engine = llm.engine
+    device = engine.runner.device
+    before = engine.stats()
+    total = sum(workload.max_tokens)
+    with tqdm(total=total, desc=name, unit="tok", disable=not progress, leave=False) as bar:
+        trace = replay(engine, workload.arrivals, device, label=name,
+                       on_step=lambda r: bar.update(sum(kind == "decode" or 0 for *_, kind in r.chunks)))
+    stats = engine.stats()
+    for f in ("num_preemptions", "num_recomputed_tokens", "num_swapped_bytes"):  # leave out the warm-up
+        setattr(stats, f, getattr(stats, f) - getattr(before, f))
+    ids = [a.request_id for a in workload.arrivals]
+    return BenchResult(name, trace.seconds, [trace.token_ids[i] for i in ids], [trace.metrics[i] for i in ids],
+                       trace.steps, stats)
+
+
+# -- Baselines: what a user would run instead (offline workloads: every request is there at t=0) ------
+
+def _offline_only(workload: Workload, who: str) -> None:
+    if not workload.is_offline:
+        raise ValueError(f"{who} runs offline workloads only (every request at the start); "
+                         f"{workload.name!r} has arrivals over time")
+
+
+def _result(name, start, end, token_ids, token_times, workload) -> BenchResult:
+    requests = [RequestTimes(start, list(t), len(p)) for t, p in zip(token_times, workload.prompts)]
+    return BenchResult(name, end - start, [list(x) for x in token_ids], requests)
+
+
+def _one_at_a_time(name, generate, model, workload: Workload) -> BenchResult:
+    _offline_only(workload, name)
+    device = model.lm_head.weight.device
+    generate(model, workload.prompts[0][:8], 2)  # warm-up
+    ids, times = [], []
+    start = now(device)
+    for prompt, n in zip(workload.prompts, workload.max_tokens):
+        called = time.perf_counter()
+        r = generate(model, prompt, n)
+        ids.append(r.token_ids)
+        times.append(list(itertools.accumulate(r.step_times_s, initial=called + r.ttft_s)))
+    return _result(name, start, now(device), ids, times, workload)
+
+
+def run_naive(model, workload: Workload) -> BenchResult:
+    """Chapter 01's loop without a KV cache: every token recomputes the whole sequence, one request at a time."""
+    from minivllm.simple_generation import generate_naive
+
+    return _one_at_a_time("naive (no KV cache)", generate_naive, model, workload)
+
+
+def run_contiguous(model, workload: Workload) -> BenchResult:
+    """Chapter 01's contiguous KV cache, one request at a time."""
+    from minivllm.simple_generation import generate_cached
+
+    return _one_at_a_time("contiguous KV cache, one at a time", generate_cached, model, workload)
+
+
+def run_static(model, workload: Workload, batch_size: int = 16) -> BenchResult:
+    """Chapter 06's static padded batches on minivllm's own model: the batching policy is the only change."""
+    _offline_only(workload, "static batching")
+    device = model.lm_head.weight.device
+    static_batch_generate(model, workload.prompts[:1], [2], 1)
+    start = now(device)
+    out = static_batch_generate(model, workload.prompts, workload.max_tokens, batch_size)
+    return _result(f"static batches of {batch_size}", start, now(device), out.token_ids, out.token_times, workload)
+
+
+class _TokenClock:
+    """A transformers StoppingCriteria that never stops: it notes when each generation step's tokens exist."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def run_hf_generate(hf_model, workload: Workload, batch_size: int = 1) -> BenchResult:
+    """HF transformers ``generate``: one request at a time (``batch_size=1``) or static left-padded batches."""
+    from transformers import StoppingCriteriaList
+
+    from minivllm.bench.baselines import _hf_generation_config
+
+    _offline_only(workload, "HF generate")
+    device = hf_model.device
+    pad_id = _hf_generation_config(hf_model, 1).pad_token_id
+    prompts, wants = workload.prompts, workload.max_tokens
+
+    def generate(batch, n):
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+        clock = _TokenClock()
+        with torch.inference_mode():
+            gen = hf_model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=StoppingCriteriaList([clock]),
+                                    generation_config=_hf_generation_config(hf_model, n))
+        return gen[:, width:].tolist(), clock.times
+
+    generate([prompts[0][:8]], 2)  # warm-up
+    ids, times = [], []
+    start = now(device)
+    for lo in range(0, len(prompts), batch_size):
+        batch, n = prompts[lo:lo + batch_size], wants[lo:lo + batch_size]
+        out, clock = generate(batch, max(n))
+        ids += [o[:k] for o, k in zip(out, n)]
+        times += [clock[:k] for k in n]
+    name = "HF generate, one at a time" if batch_size == 1 else f"HF generate, static batches of {batch_size}"
+    return _result(name, start, now(device), ids, times, workload)
+
+
+def run_hf_generate_batch(hf_model, workload: Workload) -> BenchResult:
+    """HF transformers continuous batching, ``generate_batch`` (paged attention), on the same requests."""
+    from minivllm.bench.baselines import hf_generate_batch
+
+    _offline_only(workload, "HF generate_batch")
+    device = hf_model.device
+    hf_generate_batch(hf_model, [workload.prompts[0][:8]], [2])  # warm-up
+    start = now(device)
+    ids, times = hf_generate_batch(hf_model, workload.prompts, workload.max_tokens, timestamps=True)
+    return _result("HF generate_batch (continuous batching)", start, now(device), ids, times, workload)
+
+
+# -- The ladder: one optimisation per rung (chapter 11) -------------------------------------------------
+
+LADDER = ["naive (no KV cache)", "contiguous KV cache, one at a time", "static batches",
+          "continuous batching + paged KV", "+ prefix caching", "+ chunked prefill"]
+
+
+def run_ladder(workload: Workload, model: str = "smollm2-135m", device=None, batch_size: int = 8,
+               rungs=None, **engine_options) -> list[BenchResult]:
+    """``workload`` through every rung of :data:`LADDER` (or the named ``rungs``), in order, same model."""
+    from minivllm.models import load_model
+
+    rungs = LADDER if rungs is None else rungs
+    unknown = set(rungs) - set(LADDER)
+    if unknown:
+        raise ValueError(f"rungs must be among {LADDER}, got {sorted(unknown)}")
+    m, _ = load_model(model, device)
+    opts = dict(device=str(m.lm_head.weight.device), **engine_options)
+    runs = {
+        LADDER[0]: lambda: run_naive(m, workload),
+        LADDER[1]: lambda: run_contiguous(m, workload),
+        LADDER[2]: lambda: run_static(m, workload, batch_size),
+        LADDER[3]: lambda: run_engine(workload, model, LADDER[3], **opts),
+        LADDER[4]: lambda: run_engine(workload, model, LADDER[4], enable_prefix_caching=True, **opts),
+        LADDER[5]: lambda: run_engine(workload, model, LADDER[5], enable_prefix_caching=True,
+                                      enable_chunked_prefill=True, **opts),
+    }
+    return [runs[r]() for r in rungs]
+
+
+def format_results(results: list[BenchResult], reference: BenchResult | None = None, slo: dict | None = None,
+                   roofline_seconds: float | None = None) -> str:
+    """One line per system: time, output tok/s, ratio to ``reference``, TTFT/TPOT/ITL in ms, same outputs."""
+    ref = reference or results[0]
+    head = (f"{'system':<42} {'time s':>7} {'tok/s':>8} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
+            f"{'TPOT p50':>9} {'ITL p99':>8} {'same':>6}")
+    if slo:
+        head += f" {'goodput':>8}"
+    if roofline_seconds:
+        head += f" {'roofline':>8}"
+    lines = [head]
+    for r in results:
+        m = r.metrics(slo)
+        line = (f"{r.name[:42]:<42} {r.seconds:7.2f} {r.throughput:8.1f} {r.throughput / ref.throughput:5.2f}x "
+                f"{m.ttft.p50 * 1e3:8.0f}ms {m.ttft.p99 * 1e3:8.0f}ms {m.tpot.p50 * 1e3:8.1f}ms "
+                f"{m.itl.p99 * 1e3:6.0f}ms {same_outputs(r, ref):>3}/{len(r.token_ids):<2}")
+        if slo:
+            line += f" {m.goodput:6.2f}/s"
+        if roofline_seconds:
+            line += f" {roofline_seconds / r.seconds:8.0%}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# -- The machine's limits and the workload's roofline ----------------------------------------------------
+
+@dataclass
+class MachineLimits:
+    """What this device can do at best: matmul FLOP/s at the model's own shapes, and memory bandwidth."""
+
+    flops: float  # best FLOP/s measured over the model's linear layers
+    bandwidth: float  # bytes/s, streaming a buffer much larger than the caches
+    flops_by_tokens: dict = field(default_factory=dict)  # tokens per matmul -> FLOP/s
+
+    def __str__(self) -> str:
+        by = ", ".join(f"{t} tokens {f / 1e9:.0f}" for t, f in self.flops_by_tokens.items())
+        return (f"matmul {self.flops / 1e9:.0f} GFLOP/s at best ({by} GFLOP/s), "
+                f"memory {self.bandwidth / 1e9:.1f} GB/s")
+
+
+def _linears(model):
+    from minivllm.models.llama import Linear
+
+    return [m for m in model.model.layers.modules() if isinstance(m, Linear)]
+
+
+@torch.inference_mode()
+def measure_machine(model, token_counts=(1, 16, 64, 256, 1024), repeats: int = 3,
+                    buffer_bytes: int = 512 * 2**20) -> MachineLimits:
+    """Time every linear layer of one decoder layer at each token count, and a large buffer's read.
+
+    Uses the model's own Linear modules, so the figures are for the kernels the
+    engine runs (timed with :class:`~minivllm.bench.timing.Timer`: CUDA events on a GPU).
+    """
+    device = model.lm_head.weight.device
+    layer = [m for m in _linears(model) if m in set(model.model.layers[0].modules())]
+    flop_per_token = 2 * sum(m.weight.numel() for m in layer)
+    by_tokens = {}
+    for t in token_counts:
+        xs = {m.in_features: torch.randn(t, m.in_features, device=device, dtype=m.weight.dtype) for m in layer}
+        best = float("inf")
+        for _ in range(repeats + 1):
+            with Timer(device) as timer:
+                for m in layer:
+                    m(xs[m.in_features])
+            best = min(best, timer.seconds)
+        by_tokens[t] = flop_per_token * t / best
+    buf = torch.empty(buffer_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        with Timer(device) as timer:
+            buf.sum()
+        best = min(best, timer.seconds)
+    return MachineLimits(max(by_tokens.values()), buffer_bytes / best, by_tokens)
+
+
+def roofline(model, workload: Workload, limits: MachineLimits) -> dict:
+    """The fastest this machine could run ``workload``: a lower bound on time, whatever the engine.
+
+    Every prompt token costs its matmul and attention FLOPs at the best FLOP/s
+    measured; then each decode step carries every request still generating (an
+    ideal continuous batch of any size) and costs the larger of its FLOPs and its
+    bytes (all weights, plus each sequence's KV) at the measured bandwidth.
+    Arrival times are ignored, so for online workloads it bounds the work only.
+    """
+    c = model.config
+    weights = sum(m.weight.numel() for m in _linears(model))
+    elem = model.lm_head.weight.element_size()
+    vocab_flops = 2 * model.lm_head.weight.numel()
+    weight_bytes = (weights + model.lm_head.weight.numel()) * elem
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * model.head_dim * elem
+    attn_per_key = 4 * c.num_hidden_layers * c.num_attention_heads * model.head_dim  # q.k and p.v per query-key pair
+
+    def token_flops(pos: int) -> float:  # the token at position ``pos`` attends to pos + 1 keys
+        return 2 * weights + attn_per_key * (pos + 1)
+
+    prompts, outs = [len(p) for p in workload.prompts], workload.max_tokens
+    prefill_flops = sum(sum(token_flops(i) for i in range(p)) + vocab_flops for p in prompts)
+    prefill_s = prefill_flops / limits.flops
+    decode_s = 0.0
+    for step in range(1, max(outs)):
+        active = [(p, n) for p, n in zip(prompts, outs) if n > step]
+        flops = sum(token_flops(p + step - 1) + vocab_flops for p, _ in active)
+        nbytes = weight_bytes + sum((p + step) * kv_per_token for p, _ in active)
+        decode_s += max(flops / limits.flops, nbytes / limits.bandwidth)
+    seconds = prefill_s + decode_s
+    return {"seconds": seconds, "prefill_s": prefill_s, "decode_s": decode_s,
+            "throughput": sum(outs) / seconds}
+
+
+# -- Where the time goes: the phases of one engine step (chapter 11) --------------------------------------
+
+def step_breakdown(llm, batch_sizes=(1, 2, 4, 8, 16, 32, 64), prompt_len: int = 64, steps: int = 5,
+                   seed: int = 0) -> dict[int, dict[str, float]]:
+    """Median seconds per phase of a decode step with ``B`` running requests, for each ``B``.
+
+    Phases: schedule, swap, prepare (input tensors), forward (the model),
+    sample (logits and sampling), update (scheduler bookkeeping), detokenize.
+    ``"python"`` is everything outside the forward and the logits: the engine's
+    own overhead, which a bigger batch amortises.
+    """
+    engine = llm.engine
+    engine.sync_phase_timing = True
+    out = {}
+    try:
+        for B in batch_sizes:
+            prompts, _ = random_workload(llm.get_tokenizer(), B, (prompt_len, prompt_len), (1, 1), seed + B)
+            ids = [f"breakdown-{B}-{i}" for i in range(B)]
+            for rid, p in zip(ids, prompts):
+                engine.add_request(rid, p, _exactly(steps + 3))
+            while any(s.status.name != "RUNNING" or not s.output_token_ids for s in engine.scheduler.sequences
+                      if s.request_id in ids):
+                engine.step()
+            engine.step()  # first all-decode step: untimed
+            samples = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                samples.append(dict(engine.last_step_phases, total=time.perf_counter() - t0))
+            for rid in ids:
+                engine.abort_request(rid)
+            row = {k: statistics.median(s.get(k, 0.0) for s in samples) for k in samples[0]}
+            row["python"] = row["total"] - row.get("forward", 0.0) - row.get("sample", 0.0)
+            out[B] = row
+    finally:
+        engine.sync_phase_timing = False
+    return out
