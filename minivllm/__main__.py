@@ -67,7 +67,9 @@ def _bench(args) -> int:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         if name.startswith("hf") and hf is None:
             from transformers import AutoModelForCausalLM
+            from transformers.utils import logging as hf_logging
 
+            hf_logging.disable_progress_bar()
             hf = AutoModelForCausalLM.from_pretrained(model_folder(args.model), dtype=torch.float32).to(device).eval()
         results.append({"hf-batch": lambda: run_hf_generate_batch(hf, workload),
                         "hf-static": lambda: run_hf_generate(hf, workload, args.hf_batch_size),

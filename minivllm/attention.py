@@ -18,6 +18,7 @@ __all__ = [
     "dense_causal",
     "chunked_causal",
     "attend",
+    "fold_mask",
     "NoCache",
     "ContiguousKVCache",
 ]
@@ -80,13 +81,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     into the query axis, so keys and values are never copied per head.
     """
     *lead, h, nq, d = q.shape
-    kvh, nk = k.shape[-3], k.shape[-2]
-    group = h // kvh
+    group = h // k.shape[-3]
     if group > 1:
-        q = q.reshape(*lead, kvh, group * nq, d)
-        mask = mask.unsqueeze(-3).expand(*mask.shape[:-2], group, nq, nk).reshape(*mask.shape[:-2], group * nq, nk)
+        q = q.reshape(*lead, k.shape[-3], group * nq, d)
+    if mask.shape[-2] != q.shape[-2]:  # not folded yet (callers that reuse a mask fold it once)
+        mask = fold_mask(mask, group)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(-3))
     return out.reshape(*lead, h, nq, d)
+
+
+def fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """``mask[..., nq, nk]`` repeated for the ``group`` query heads that :func:`attend` folds into the query axis."""
+    if group == 1:
+        return mask
+    *lead, nq, nk = mask.shape
+    return mask.unsqueeze(-3).expand(*lead, group, nq, nk).reshape(*lead, group * nq, nk)
 
 
 class NoCache:
@@ -146,8 +155,11 @@ class PagedBatch:
     Sequence ``b`` feeds ``query_lens[b]`` tokens that end at ``context_lens[b]``
     (so its queries sit at positions ``context_lens[b] - query_lens[b]`` onward),
     flattened one sequence after another. All indices are built once per step
-    and shared by every layer. Sequences are attended in at most two padded
-    groups, decodes (one query) and prefills, so no layer loops over sequences.
+    and shared by every layer. Sequences are attended in padded groups, decodes
+    (one query) apart from prefills, so no layer loops over sequences. A kind
+    is split further, by length, only where the padding saved is worth one more
+    attention call (:func:`split_by_padding`; chapter 11 measures it), so a
+    small batch has at most two groups.
     """
 
     def __init__(self, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
@@ -162,9 +174,10 @@ class PagedBatch:
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         self.groups = []
         for wanted in (lambda n: n == 1, lambda n: n > 1):
-            rows = [b for b, n in enumerate(query_lens) if wanted(n)]
-            if rows:
-                self.groups.append(self._group(rows, block_tables, context_lens, query_lens, starts, device))
+            rows = sorted((b for b, n in enumerate(query_lens) if wanted(n)), key=lambda b: len(block_tables[b]))
+            for part in split_by_padding(rows, [len(block_tables[b]) * block_size for b in rows],
+                                         [query_lens[b] for b in rows]):
+                self.groups.append(self._group(part, block_tables, context_lens, query_lens, starts, device))
 
     def _group(self, rows, block_tables, context_lens, query_lens, starts, device):
         bs = self.block_size
@@ -185,6 +198,35 @@ class PagedBatch:
         query_index = torch.where(valid, start[:, None] + i, 0)
         return dict(block_tables=tables, query_index=query_index, valid=valid, mask=mask,
                     out_index=query_index[valid])
+
+
+def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = 4,
+                     min_saving: int = 4096) -> list[list]:
+    """Cut ``rows`` (sorted by ``key_lens``) into at most ``max_groups`` runs padded separately.
+
+    A padded group costs ``rows x longest query x longest key`` query-key pairs.
+    The cut that saves the most pairs is made while it saves at least
+    ``min_saving`` of them (about what one more attention call costs), so
+    similar lengths share a group and a lone long sequence gets its own.
+    """
+    def cost(lo, hi):
+        return (hi - lo) * max(query_lens[lo:hi]) * key_lens[hi - 1]
+
+    runs = [(0, len(rows))] if rows else []
+    while len(runs) < max_groups:
+        best = (min_saving - 1, None)
+        for r, (lo, hi) in enumerate(runs):
+            whole = cost(lo, hi)
+            for cut in range(lo + 1, hi):
+                saving = whole - cost(lo, cut) - cost(cut, hi)
+                if saving > best[0]:
+                    best = (saving, (r, cut))
+        if best[1] is None:
+            break
+        r, cut = best[1]
+        lo, hi = runs[r]
+        runs[r:r + 1] = [(lo, cut), (cut, hi)]
+    return [rows[lo:hi] for lo, hi in runs]
 
 
 class PagedKVCache:
@@ -239,9 +281,13 @@ class PagedKVCache:
         out = torch.empty_like(q)
         for g in batch.groups:
             tables = g["block_tables"]  # [B, W]: gather whole blocks, then see them as one run of keys
-            keys = k_pool[tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, W * block_size, D]
-            values = v_pool[tables].flatten(1, 2).transpose(1, 2)
+            B, W = tables.shape
+            flat = tables.flatten()
+            keys = k_pool.index_select(0, flat).view(B, W * self.block_size, kv_heads, d).transpose(1, 2)
+            values = v_pool.index_select(0, flat).view(B, W * self.block_size, kv_heads, d).transpose(1, 2)
             queries = q[g["query_index"]].transpose(1, 2)  # [B, heads, Lq, D]
-            o = attend(queries, keys, values, g["mask"]).transpose(1, 2)  # [B, Lq, heads, D]
+            if "folded_mask" not in g:  # built by the first layer, reused by the others
+                g["folded_mask"] = fold_mask(g["mask"], q.shape[1] // kv_heads)
+            o = attend(queries, keys, values, g["folded_mask"]).transpose(1, 2)  # [B, Lq, heads, D]
             out[g["out_index"]] = o[g["valid"]]
         return out

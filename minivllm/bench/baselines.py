@@ -171,3 +171,54 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def hf_generate_batch(hf_model, prompts_ids: list[list[int]], max_tokens_list: list[int], timestamps: bool = False,
+                      **options):
+    """HF transformers continuous batching (what ``generate_batch`` runs), greedy, exactly ``max_tokens_list[i]`` each.
+
+    ``generate_batch`` takes one ``max_new_tokens`` for all prompts, so this
+    drives its manager directly, which takes one per request; all requests are
+    queued before it starts, so its first step sees them all. ``eos_token_id=-1``
+    switches EOS off. ``options`` go to ``ContinuousBatchingConfig`` (defaults:
+    pages of 64 tokens, 512 tokens per step, a KV cache sized for every request
+    at once rather than most of the machine's memory, no prefix sharing).
+    Returns the token ids in input order, and with ``timestamps`` also each
+    token's ``time.perf_counter()``.
+    """
+    import logging
+    import math
+
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    page = options.setdefault("page_size", 64)
+    options.setdefault("max_batch_tokens", 512)
+    options.setdefault("allow_block_sharing", False)
+    need = sum(math.ceil((len(p) + m) / page) + 1 for p, m in zip(prompts_ids, max_tokens_list))
+    options.setdefault("num_blocks", math.ceil(need / 0.8))  # its scheduler keeps 15% of the blocks free
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens_list), eos_token_id=-1)
+    manager = hf_model.init_continuous_batching(config, ContinuousBatchingConfig(**options))
+    ids = [manager.add_request(list(p), request_id=f"r{i}", max_new_tokens=m, eos_token_id=-1,
+                               record_timestamps=timestamps)
+           for i, (p, m) in enumerate(zip(prompts_ids, max_tokens_list))]
+    results = {}
+    with torch.inference_mode():  # its background thread inherits the caller's inference mode
+        manager.start()
+        try:
+            while len(results) < len(ids):
+                out = manager.get_result(timeout=1)
+                if out is not None and out.is_finished():
+                    results[out.request_id] = out
+                elif out is None and not manager.is_running():
+                    raise RuntimeError(f"HF continuous batching stopped: {manager.background_thread_status.fatal_error!r}")
+        finally:
+            manager.stop(block=True)
+            manager.destroy()
+    outs = [results[i] for i in ids]
+    bad = [(o.request_id, o.error, len(o.generated_tokens)) for o, m in zip(outs, max_tokens_list)
+           if o.error is not None or len(o.generated_tokens) != m]
+    if bad:
+        raise RuntimeError(f"HF continuous batching failed for (request, error, tokens) {bad}")
+    token_ids = [list(o.generated_tokens) for o in outs]
+    return (token_ids, [list(o.timestamps) for o in outs]) if timestamps else token_ids
