@@ -201,16 +201,18 @@ class PagedBatch:
 
 
 def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = 4,
-                     min_saving: int = 4096) -> list[list]:
+                     min_saving: int = 1024, gather_cost: int = 6) -> list[list]:
     """Cut ``rows`` (sorted by ``key_lens``) into at most ``max_groups`` runs padded separately.
 
-    A padded group costs ``rows x longest query x longest key`` query-key pairs.
-    The cut that saves the most pairs is made while it saves at least
-    ``min_saving`` of them (about what one more attention call costs), so
-    similar lengths share a group and a lone long sequence gets its own.
+    A padded group of ``n`` rows costs ``n x longest key x (longest query +
+    gather_cost)``: the query-key pairs of attention, plus copying each key and
+    value out of the pool (worth about ``gather_cost`` queries). The cut that
+    saves the most is made while it saves at least ``min_saving`` (about what
+    one more attention call per layer costs), so similar lengths share a group
+    and a lone long sequence gets its own.
     """
     def cost(lo, hi):
-        return (hi - lo) * max(query_lens[lo:hi]) * key_lens[hi - 1]
+        return (hi - lo) * key_lens[hi - 1] * (max(query_lens[lo:hi]) + gather_cost)
 
     runs = [(0, len(rows))] if rows else []
     while len(runs) < max_groups:

@@ -36,3 +36,45 @@ def test_chunk_mask():
 def test_chunk_mask_rejects_empty_or_negative(a, b):
     with pytest.raises(ValueError, match="chunk"):
         causal_chunk_mask(a, b)
+
+
+def test_split_by_padding_keeps_small_batches_whole_and_cuts_spread_ones():
+    from minivllm.attention import split_by_padding
+
+    assert split_by_padding([0, 1], [16, 32], [1, 1]) == [[0, 1]]  # a few short decodes: one group
+    widths = sorted([16 * (1 + i % 20) for i in range(32)])
+    parts = split_by_padding(list(range(32)), widths, [1] * 32)
+    assert 2 <= len(parts) <= 4 and sum(parts, []) == list(range(32))
+    assert split_by_padding([], [], []) == []
+
+
+def test_paged_attention_with_many_groups_equals_per_sequence_attention():
+    """Decodes with spread contexts and prefill chunks over cached prefixes: within 1e-5 of attending one by one."""
+    import random
+
+    from minivllm.attention import PagedBatch, PagedKVCache, attend, causal_chunk_mask
+
+    rng = random.Random(0)
+    torch.manual_seed(0)
+    heads, kv_heads, d, bs = 6, 2, 16, 4
+    ctx = [rng.randint(2, 90) for _ in range(24)] + [40, 70, 33]
+    qlen = [1] * 24 + [12, 70, 5]
+    free = list(range(1, 400))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctx]
+    cache = PagedKVCache(1, 400, bs, kv_heads, d)
+    full_k = [torch.randn(c, kv_heads, d) for c in ctx]
+    full_v = [torch.randn(c, kv_heads, d) for c in ctx]
+    for t, k, v, c, n in zip(tables, full_k, full_v, ctx, qlen):  # the cached part, before this step
+        for p in range(c - n):
+            cache.k[0, t[p // bs], p % bs], cache.v[0, t[p // bs], p % bs] = k[p], v[p]
+    batch = PagedBatch(tables, ctx, qlen, bs, "cpu")
+    assert len(batch.groups) > 2
+    q = [torch.randn(n, heads, d) for n in qlen]
+    cache.batch = batch
+    out = cache.forward(0, torch.cat(q), torch.cat([k[c - n:] for k, c, n in zip(full_k, ctx, qlen)]),
+                        torch.cat([v[c - n:] for v, c, n in zip(full_v, ctx, qlen)]), None)
+    expected = [attend(qi.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                       causal_chunk_mask(c - n, c)).transpose(0, 1)
+                for qi, k, v, c, n in zip(q, full_k, full_v, ctx, qlen)]
+    assert (out - torch.cat(expected)).abs().max().item() < 1e-5
