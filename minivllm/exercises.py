@@ -1042,7 +1042,11 @@ def check_request_latencies(fn) -> None:
             if ok:
                 continue
             hint = "see the definitions at the top of the notebook"
-            for value, h in _wrong_latencies(arrival, times)[key]:
+            wrongs = _wrong_latencies(arrival, times)[key]
+            if key == "tpot" and want is None:
+                wrongs = wrongs[-1:]  # one token: whatever came back, the answer is None
+                hint = wrongs[0][1]
+            for value, h in wrongs:
                 same = (isinstance(have, (list, tuple)) and len(have) == len(value) and all(map(_close, have, value))
                         if key == "itl" else _close(have, value))
                 if same:
@@ -1062,7 +1066,12 @@ def _goodput_requests():
         RequestTimes(0.0, [0.125]),  # one token: TTFT 0.125, no TPOT
         RequestTimes(0.25, []),  # still waiting: not finished, never counts
         RequestTimes(0.5, [0.75, 1.75]),  # TTFT 0.25, TPOT 1.0
+        RequestTimes(0.0, [1.0, 1.25]),  # TTFT 1.0, TPOT 0.25
     ]
+
+
+_GOODPUT_LIMITS = [(None, None), (0.25, None), (None, 0.5), (None, 0.25), (0.25, 0.25), (0.5, 0.125), (0.0, None),
+                   (None, 0.0)]  # in an order where each mistake first shows up alone
 
 
 def _goodput_cases(num: int = 30, seed: int = 0):
@@ -1072,8 +1081,7 @@ def _goodput_cases(num: int = 30, seed: int = 0):
     from minivllm.bench import RequestTimes
 
     hand = _goodput_requests()
-    cases = [(hand, 2.0, ttft_l, tpot_l) for ttft_l, tpot_l in
-             [(None, None), (0.25, None), (None, 0.25), (0.25, 0.25), (0.5, 0.125), (0.0, None), (None, 0.0)]]
+    cases = [(hand, 2.0, ttft_l, tpot_l) for ttft_l, tpot_l in _GOODPUT_LIMITS]
     rng = random.Random(seed)
     for _ in range(num):
         reqs = []
@@ -1132,7 +1140,7 @@ def check_goodput(fn) -> None:
     for k, (requests, duration, ttft_limit, tpot_limit) in enumerate(cases):
         what = (f"case {k}: {len(requests)} requests, duration {duration:g} s, ttft_limit={ttft_limit}, "
                 f"tpot_limit={tpot_limit}")
-        if k < 7:
+        if k < len(_GOODPUT_LIMITS):
             what += " (requests: " + "; ".join(f"arrival {r.arrival_time:g}, tokens at {r.token_times}"
                                                 for r in requests) + ")"
         expected = goodput(requests, duration, ttft_limit, tpot_limit)

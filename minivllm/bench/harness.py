@@ -38,6 +38,7 @@ class BenchResult:
     requests: list  # per request: arrival_time and token_times (RequestMetrics or RequestTimes)
     steps: list[StepRecord] = field(default_factory=list)  # engine steps (minivllm only)
     stats: object = None  # the engine's EngineStats after the run (minivllm only)
+    start: float = 0.0  # perf_counter time the run started (step timelines are drawn from it)
 
     @property
     def output_tokens(self) -> int:
@@ -63,17 +64,19 @@ def run_engine(workload: Workload, model: str = "smollm2-135m", name: str = "min
                **engine_options) -> BenchResult:
     """Replay ``workload`` through a fresh :class:`~minivllm.LLM` built with ``engine_options``.
 
-    One short untimed request warms the engine up first; a memory-pressure
-    workload gets its squeezed pool unless ``num_blocks`` is given.
+    One short untimed request warms the engine up first. Unless ``num_blocks``
+    is given, the KV pool holds every request at once (a memory-pressure
+    workload gets its squeezed pool instead).
     """
     from tqdm.auto import tqdm
 
     from minivllm import LLM
 
     block_size = engine_options.get("block_size", 16)
-    if workload.pool_fraction is not None and "num_blocks" not in engine_options:
-        engine_options["num_blocks"] = workload.num_blocks(block_size)
     engine_options.setdefault("max_num_seqs", max(16, len(workload.arrivals)))
+    if "num_blocks" not in engine_options:  # the squeezed pool, or room for every request at once (and the warm-up)
+        engine_options["num_blocks"] = (workload.num_blocks(block_size) if workload.pool_fraction is not None
+                                        else workload.kv_blocks_needed(block_size) + -(-64 // block_size))
     llm = LLM(model, **engine_options)
     (warm,), _ = random_workload(llm.get_tokenizer(), 1, (40, 40), (1, 1), seed=12345)
     llm.generate([warm], _exactly(2), use_tqdm=False)
@@ -89,7 +92,7 @@ def run_engine(workload: Workload, model: str = "smollm2-135m", name: str = "min
         setattr(stats, f, getattr(stats, f) - getattr(before, f))
     ids = [a.request_id for a in workload.arrivals]
     return BenchResult(name, trace.seconds, [trace.token_ids[i] for i in ids], [trace.metrics[i] for i in ids],
-                       trace.steps, stats)
+                       trace.steps, stats, trace.start)
 
 
 # -- Baselines: what a user would run instead (offline workloads: every request is there at t=0) ------
@@ -102,7 +105,7 @@ def _offline_only(workload: Workload, who: str) -> None:
 
 def _result(name, start, end, token_ids, token_times, workload) -> BenchResult:
     requests = [RequestTimes(start, list(t), len(p)) for t, p in zip(token_times, workload.prompts)]
-    return BenchResult(name, end - start, [list(x) for x in token_ids], requests)
+    return BenchResult(name, end - start, [list(x) for x in token_ids], requests, start=start)
 
 
 def _one_at_a_time(name, generate, model, workload: Workload) -> BenchResult:
