@@ -86,7 +86,7 @@ def run_engine(workload: Workload, model: str = "smollm2-135m", name: str = "min
     total = sum(workload.max_tokens)
     with tqdm(total=total, desc=name, unit="tok", disable=not progress, leave=False) as bar:
         trace = replay(engine, workload.arrivals, device, label=name,
-                       on_step=lambda r: bar.update(sum(kind == "decode" or 0 for *_, kind in r.chunks)))
+                       on_step=lambda r: bar.update(r.sampled))
     stats = engine.stats()
     for f in ("num_preemptions", "num_recomputed_tokens", "num_swapped_bytes"):  # leave out the warm-up
         setattr(stats, f, getattr(stats, f) - getattr(before, f))

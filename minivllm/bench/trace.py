@@ -21,6 +21,7 @@ class StepRecord:
     kv_tokens: int = 0  # tokens whose KV those blocks hold; the rest of their slots is partly-filled waste
     block_size: int = 1
     phases: dict = field(default_factory=dict)  # seconds per phase: schedule, prepare, forward, sample, ...
+    sampled: int = 0  # output tokens this step produced
 
     @property
     def kv_utilization(self) -> float:
@@ -144,7 +145,7 @@ def replay(engine, arrivals: list[Arrival], device=None, label: str = "", on_ste
             for c in engine.last_schedule.chunks],
             used_blocks=bm.num_blocks - bm.num_free_blocks, total_blocks=bm.num_blocks,
             kv_tokens=_kv_tokens(live, bm.block_size), block_size=bm.block_size,
-            phases=dict(engine.last_step_phases))
+            phases=dict(engine.last_step_phases), sampled=len(outs))
         steps.append(record)
         for out in outs:
             token_ids[out.request_id] = list(out.outputs[0].token_ids)
