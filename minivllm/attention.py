@@ -197,7 +197,7 @@ class PagedBatch:
         mask[:, :, 0] |= ~valid  # padded rows see one key, so softmax stays finite
         query_index = torch.where(valid, start[:, None] + i, 0)
         return dict(block_tables=tables, query_index=query_index, valid=valid, mask=mask,
-                    out_index=query_index[valid])
+                    out_index=query_index[valid], all_valid=bool(qlen.min() == max_q))
 
 
 def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = 4,
@@ -291,5 +291,5 @@ class PagedKVCache:
             if "folded_mask" not in g:  # built by the first layer, reused by the others
                 g["folded_mask"] = fold_mask(g["mask"], q.shape[1] // kv_heads)
             o = attend(queries, keys, values, g["folded_mask"]).transpose(1, 2)  # [B, Lq, heads, D]
-            out[g["out_index"]] = o[g["valid"]]
+            out[g["out_index"]] = o.flatten(0, 1) if g["all_valid"] else o[g["valid"]]  # decodes: no padding rows
         return out

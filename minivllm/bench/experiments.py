@@ -19,6 +19,7 @@ def main(argv=None) -> int:
     """Output tokens/s of minivllm against HF transformers ``generate``, measured in one run."""
     import argparse
     import os
+    import statistics
     import sys
 
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--skip-hf", action="store_true", help="time minivllm only (for sweeping engine settings)")
+    parser.add_argument("--repeats", type=int, default=1, help="time minivllm and the HF static batches this many "
+                        "times and report medians (HF one at a time runs once: it is the slow reference)")
     args = parser.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
@@ -61,17 +64,22 @@ def main(argv=None) -> int:
           f"({torch.get_num_threads()} CPU threads)")
     rows = []
 
-    def timed(name, fn):
-        fn(prompts[:1], [2])  # warm-up, untimed
-        start = now(device)
-        result = fn(prompts, outs)
-        seconds = now(device) - start
+    def timed(name, fn, repeats=1):
+        """Median seconds over ``repeats`` runs after an untimed warm-up."""
+        fn(prompts[:1], [2])
+        times = []
+        for _ in range(repeats):
+            start = now(device)
+            result = fn(prompts, outs)
+            times.append(now(device) - start)
+        seconds = statistics.median(times)
         short = [i for i, (r, n) in enumerate(zip(result, outs)) if len(r) != n]
         if short:
             print(f"  warning: {name} returned a wrong number of tokens for requests {short}")
         got = sum(min(len(r), n) for r, n in zip(result, outs))
         rows.append((name, seconds, got / seconds))
-        print(f"  {name:<60} {seconds:8.2f} s {got / seconds:10.1f} output tok/s", flush=True)
+        spread = f"  (median of {repeats}: {min(times):.2f}-{max(times):.2f} s)" if repeats > 1 else ""
+        print(f"  {name:<60} {seconds:8.2f} s {got / seconds:10.1f} output tok/s{spread}", flush=True)
         return result
 
     def minivllm_generate(ps, ns):
@@ -79,7 +87,7 @@ def main(argv=None) -> int:
         return [o.outputs[0].token_ids for o in llm.generate(ps, params, use_tqdm=False)]
 
     opts = ", ".join(f"{k}={v}" for k, v in engine_opts.items() if k not in ("device", "dtype"))
-    ours = timed(f"minivllm LLM.generate ({opts})", minivllm_generate)
+    ours = timed(f"minivllm LLM.generate ({opts})", minivllm_generate, args.repeats)
     if args.skip_hf:
         return 0
 
@@ -104,7 +112,7 @@ def main(argv=None) -> int:
                   f"for the two differ by {gap:.1e} ({'a near-tie: fp32 rounding' if gap < 1e-3 else 'NOT a tie'})")
     bs = args.hf_batch_size
     batched = timed(f"HF generate, static batches of {bs} (left-padded)",
-                    lambda ps, ns: hf_generate_static_batches(hf, ps, ns, bs))
+                    lambda ps, ns: hf_generate_static_batches(hf, ps, ns, bs), args.repeats)
     compare(f"for reference, HF batches of {bs} vs HF one at a time", batched, single)
 
     mini_tps = rows[0][2]
