@@ -98,6 +98,20 @@ def _bench(args) -> int:
     for r in results[1:]:
         print(f"minivllm / {r.name}: {ours.throughput / r.throughput:.2f}x "
               f"(greedy outputs identical for {same_outputs(ours, r)}/{len(r.token_ids)} requests)")
+    breakdown = None
+    if args.breakdown:
+        from minivllm import LLM
+        from minivllm.bench import step_breakdown
+
+        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= args.breakdown]
+        llm = LLM(args.model, device=str(device), block_size=args.block_size, max_num_seqs=max(sizes),
+                  num_blocks=max(sizes) * -(-(64 + 16) // args.block_size) + 8)
+        breakdown = step_breakdown(llm, sizes, prompt_len=64, steps=5)
+        print("\none decode step, by phase (ms, medians of 5; prompts of 64 tokens):")
+        print(f"{'B':>3} {'step':>8} {'per token':>9} {'forward':>8} {'sample':>7} {'python':>7} {'python %':>8}")
+        for b, row in breakdown.items():
+            print(f"{b:3d} {1e3 * row['total']:8.2f} {1e3 * row['total'] / b:9.2f} {1e3 * row['forward']:8.2f} "
+                  f"{1e3 * row['sample']:7.2f} {1e3 * row['python']:7.2f} {row['python'] / row['total']:8.1%}")
     if args.json:
         report = {"workload": {"name": workload.name, "description": workload.description, "seed": args.seed,
                                "num_requests": len(workload.arrivals)},
@@ -108,7 +122,7 @@ def _bench(args) -> int:
                               for r in results],
                   "kv_utilization": [s.kv_utilization for s in ours.steps],
                   "machine": None if not limits else {"flops": limits.flops, "bandwidth": limits.bandwidth},
-                  "roofline": bound}
+                  "roofline": bound, "step_breakdown": breakdown}
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         print(f"wrote {args.json}")
@@ -158,6 +172,8 @@ def main(argv=None) -> int:
     b.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="goodput: TTFT limit in ms")
     b.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="goodput: TPOT limit in ms")
     b.add_argument("--no-roofline", dest="roofline", action="store_false", help="skip measuring the machine")
+    b.add_argument("--breakdown", type=int, default=0, metavar="MAX_B",
+                   help="also time the phases of a decode step at batch sizes 1, 2, 4, ... up to MAX_B")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -143,12 +143,14 @@ def test_cli_bench_writes_json_and_generate_streams(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert main(["bench", "--workload", "offline", "--model", "tiny-random", "--num-requests", "3",
                  "--prompt-len", "8", "16", "--output-len", "4", "4", "--compare", "static", "--no-roofline",
-                 "--quiet", "--json", str(out)]) == 0
+                 "--quiet", "--breakdown", "2", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert set(report["step_breakdown"]) == {"1", "2"} and report["step_breakdown"]["2"]["forward"] > 0
     assert [r["same_outputs_as_minivllm"] for r in report["results"]] == [3, 3]
     assert report["results"][0]["completed"] == 3 and report["results"][0]["mean_ttft_ms"] > 0
     printed = capsys.readouterr().out
     assert "Mean TTFT (ms)" in printed and "minivllm / static batches of 16" in printed
+    assert "one decode step, by phase" in printed
     assert main(["generate", "Hi", "--model", "tiny-random", "--max-tokens", "5", "--raw"]) == 0
     assert capsys.readouterr().out.strip()
 

@@ -350,7 +350,8 @@ def step_breakdown(llm, batch_sizes=(1, 2, 4, 8, 16, 32, 64), prompt_len: int = 
     Phases: schedule, swap, prepare (input tensors), forward (the model),
     sample (logits and sampling), update (scheduler bookkeeping), detokenize.
     ``"python"`` is everything outside the forward and the logits: the engine's
-    own overhead, which a bigger batch amortises.
+    own overhead, which a bigger batch amortises. Each figure is the median over
+    ``steps`` steps, so the phases need not add up to the median total exactly.
     """
     engine = llm.engine
     engine.sync_phase_timing = True
@@ -369,12 +370,12 @@ def step_breakdown(llm, batch_sizes=(1, 2, 4, 8, 16, 32, 64), prompt_len: int = 
             for _ in range(steps):
                 t0 = time.perf_counter()
                 engine.step()
-                samples.append(dict(engine.last_step_phases, total=time.perf_counter() - t0))
+                phases = dict(engine.last_step_phases, total=time.perf_counter() - t0)
+                phases["python"] = phases["total"] - phases.get("forward", 0.0) - phases.get("sample", 0.0)
+                samples.append(phases)
             for rid in ids:
                 engine.abort_request(rid)
-            row = {k: statistics.median(s.get(k, 0.0) for s in samples) for k in samples[0]}
-            row["python"] = row["total"] - row.get("forward", 0.0) - row.get("sample", 0.0)
-            out[B] = row
+            out[B] = {k: statistics.median(s.get(k, 0.0) for s in samples) for k in samples[0]}
     finally:
         engine.sync_phase_timing = False
     return out
