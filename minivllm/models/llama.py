@@ -162,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
             probe = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
             if not torch.allclose(layer(probe), F.linear(probe, layer.weight, layer.bias), rtol=1e-4, atol=1e-4):
                 raise RuntimeError("packed and plain matmul disagree")
-        except (RuntimeError, AttributeError):
+        except Exception:  # any build without a working oneDNN path: plain F.linear is always right
             for m in linears:
                 m.packed = None
             return False
