@@ -10,8 +10,8 @@ import torch
 from minivllm.bench.baselines import first_difference, hf_generate_one_at_a_time, hf_generate_static_batches
 from minivllm.bench.metrics import percentile, tpot
 from minivllm.bench.timing import now
-from minivllm.bench.trace import ServingTrace, replay
-from minivllm.bench.workloads import (Arrival, _blocks_for, _exactly, interference_arrivals, random_workload,
+from minivllm.bench.trace import ServingTrace, replay, warm_up
+from minivllm.bench.workloads import (Arrival, _blocks_for, interference_arrivals, random_workload,
                                       shared_prefix_arrivals, squeezed_arrivals)
 
 
@@ -129,12 +129,6 @@ def interference_summary(trace: ServingTrace) -> dict[str, float]:
             "long_ttft": trace.ttft("long"), "throughput": trace.throughput}
 
 
-def _warm_up(llm, seed: int = 12345) -> None:
-    """One short untimed request whose tokens share no block with any workload (first forwards pay set-up costs)."""
-    (prompt,), _ = random_workload(llm.get_tokenizer(), 1, (40, 40), (1, 1), seed)
-    llm.generate([prompt], _exactly(2), use_tqdm=False)
-
-
 def _bench_parser(prog: str, description: str):
     import argparse
 
@@ -147,6 +141,24 @@ def _bench_parser(prog: str, description: str):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     return parser
+
+
+def _replay_settings(args, arrivals, device, settings: dict, max_num_seqs: int) -> dict:
+    """``{key: (label, engine options)}`` -> ``{key: [ServingTrace per repeat]}``: a fresh, warmed-up engine per run,
+    the settings taken round robin ``args.repeats`` times, all on a pool that holds every request."""
+    from minivllm import LLM
+
+    num_blocks = _blocks_for(arrivals, args.block_size) + 8
+    traces: dict = {key: [] for key in settings}
+    for _ in range(args.repeats):
+        for key, (label, opts) in settings.items():
+            llm = LLM(args.model, block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, device=str(device), dtype="float32",
+                      **opts)
+            warm_up(llm)
+            traces[key].append(replay(llm.engine, arrivals, device, label=label))
+            del llm
+    return traces
 
 
 def _same_outputs(traces) -> bool:
@@ -172,7 +184,6 @@ def interference_main(argv=None) -> int:
     parser.add_argument("--arrive-at-step", type=int, default=4)
     args = parser.parse_args(argv)
 
-    from minivllm import LLM
     from minivllm.config import default_device
     from minivllm.models import load_tokenizer
 
@@ -180,21 +191,14 @@ def interference_main(argv=None) -> int:
     arrivals = interference_arrivals(load_tokenizer(args.model), args.num_streams, args.stream_prompt_len,
                                      args.stream_tokens, args.long_prompt_len, args.long_tokens,
                                      args.arrive_at_step, args.seed)
-    num_blocks = _blocks_for(arrivals, args.block_size) + 8
     print(f"workload: {args.num_streams} streams ({args.stream_prompt_len}-token prompts, {args.stream_tokens} "
           f"output tokens each), then a {args.long_prompt_len}-token prompt ({args.long_tokens} output tokens) "
           f"at step {args.arrive_at_step}; greedy, ignore_eos; {args.model} float32 on {device} "
           f"({torch.get_num_threads()} CPU threads), max_num_batched_tokens={args.max_num_batched_tokens}, "
           f"{args.repeats} repeat(s)", flush=True)
-    traces: dict[int, list[ServingTrace]] = {c: [] for c in args.chunk_sizes}
-    for _ in range(args.repeats):
-        for chunk in args.chunk_sizes:
-            opts = dict(enable_chunked_prefill=chunk > 0, max_prefill_chunk_size=max(chunk, 1))
-            llm = LLM(args.model, block_size=args.block_size, num_blocks=num_blocks, max_num_seqs=args.num_streams + 1,
-                      max_num_batched_tokens=args.max_num_batched_tokens, device=str(device), dtype="float32", **opts)
-            _warm_up(llm)
-            traces[chunk].append(replay(llm.engine, arrivals, device, label=f"chunk {chunk or 'off'}"))
-            del llm
+    traces = _replay_settings(args, arrivals, device, max_num_seqs=args.num_streams + 1, settings={
+        chunk: (f"chunk {chunk or 'off'}", dict(enable_chunked_prefill=chunk > 0, max_prefill_chunk_size=max(chunk, 1)))
+        for chunk in args.chunk_sizes})
 
     print(f"\n{'chunked prefill':>16} {'max gap':>9} {'p99 gap':>9} {'median gap':>11} {'long TTFT':>10} "
           f"{'output tok/s':>13} {'steps':>6}")
@@ -241,27 +245,18 @@ def shared_prefix_main(argv=None) -> int:
     parser.add_argument("--output-tokens", type=int, default=16)
     args = parser.parse_args(argv)
 
-    from minivllm import LLM
     from minivllm.config import default_device
     from minivllm.models import load_tokenizer
 
     device = torch.device(args.device) if args.device else default_device()
     arrivals = shared_prefix_arrivals(load_tokenizer(args.model), args.num_requests, args.prefix_len,
                                       args.suffix_len, args.output_tokens, args.seed)
-    num_blocks = _blocks_for(arrivals, args.block_size) + 8
     print(f"workload: {args.num_requests} requests = a shared {args.prefix_len}-token system prompt + their own "
           f"{args.suffix_len[0]}-{args.suffix_len[1]} tokens, {args.output_tokens} output tokens each; each arrives "
           f"when the previous one has its first token; greedy, ignore_eos; {args.model} float32 on {device} "
           f"({torch.get_num_threads()} CPU threads), {args.repeats} repeat(s)", flush=True)
-    traces: dict[bool, list[ServingTrace]] = {False: [], True: []}
-    for _ in range(args.repeats):
-        for caching in (False, True):
-            llm = LLM(args.model, block_size=args.block_size, num_blocks=num_blocks,
-                      max_num_seqs=args.num_requests, max_num_batched_tokens=args.max_num_batched_tokens,
-                      enable_prefix_caching=caching, device=str(device), dtype="float32")
-            _warm_up(llm)
-            traces[caching].append(replay(llm.engine, arrivals, device, label=f"prefix caching {caching}"))
-            del llm
+    traces = _replay_settings(args, arrivals, device, max_num_seqs=args.num_requests, settings={
+        caching: (f"prefix caching {caching}", dict(enable_prefix_caching=caching)) for caching in (False, True)})
 
     print(f"\n{'prefix caching':>15} {'prompt tokens':>14} {'computed':>9} {'mean TTFT':>10} {'p50 TTFT':>9} "
           f"{'max TTFT':>9} {'output tok/s':>13}")
@@ -324,7 +319,7 @@ def run_preemption_settings(model: str, arrivals: list[Arrival], squeezed_blocks
         blocks = _blocks_for(arrivals, block_size) + 8 if name == "roomy" else squeezed_blocks
         llm = LLM(model, block_size=block_size, num_blocks=blocks, max_num_seqs=max_num_seqs,
                   max_num_batched_tokens=max_num_batched_tokens, device=device, **opts)
-        _warm_up(llm)
+        warm_up(llm)
         before = llm.engine.stats()
         trace = replay(llm.engine, arrivals, llm.engine.runner.device, label=name)
         after = llm.engine.stats()

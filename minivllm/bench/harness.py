@@ -20,7 +20,7 @@ import torch
 from minivllm.bench.baselines import static_batch_generate
 from minivllm.bench.metrics import RequestTimes, ServingMetrics, serving_metrics
 from minivllm.bench.timing import Timer, now
-from minivllm.bench.trace import StepRecord, replay
+from minivllm.bench.trace import StepRecord, replay, warm_up
 from minivllm.bench.workloads import Workload, random_workload, _exactly
 
 __all__ = ["BenchResult", "run_engine", "run_naive", "run_contiguous", "run_static", "run_hf_generate",
@@ -78,8 +78,7 @@ def run_engine(workload: Workload, model: str = "smollm2-135m", name: str = "min
         engine_options["num_blocks"] = (workload.num_blocks(block_size) if workload.pool_fraction is not None
                                         else workload.kv_blocks_needed(block_size) + -(-64 // block_size))
     llm = LLM(model, **engine_options)
-    (warm,), _ = random_workload(llm.get_tokenizer(), 1, (40, 40), (1, 1), seed=12345)
-    llm.generate([warm], _exactly(2), use_tqdm=False)
+    warm_up(llm)
     engine = llm.engine
     device = engine.runner.device
     before = engine.stats()

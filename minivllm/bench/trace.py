@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from minivllm.bench.timing import now
-from minivllm.bench.workloads import Arrival
+from minivllm.bench.workloads import Arrival, _exactly, random_workload
 
 
 @dataclass
@@ -87,6 +87,12 @@ class ServingTrace:
     def prefill_tokens_computed(self) -> int:
         """Prompt tokens the model actually ran: prompt length minus prefix-cache hits, summed."""
         return sum(m.num_prompt_tokens - m.num_cached_tokens for m in self.metrics.values())
+
+
+def warm_up(llm, seed: int = 12345) -> None:
+    """One short untimed request whose tokens share no block with any workload (first forwards pay set-up costs)."""
+    (prompt,), _ = random_workload(llm.get_tokenizer(), 1, (40, 40), (1, 1), seed)
+    llm.generate([prompt], _exactly(2), use_tqdm=False)
 
 
 def _kv_tokens(seqs, block_size: int) -> int:
