@@ -38,7 +38,7 @@ class EngineConfig:
     is full. A request that was just resumed cannot be preempted again for
     ``preemption_protection_steps`` steps (0 turns the guard off). New requests
     are not admitted while fewer than ``admission_watermark`` of the blocks
-    would stay free. With ``scheduling_policy="priority"`` the waiting queue is
+    would stay free (unless nothing is running: an idle engine always admits). With ``scheduling_policy="priority"`` the waiting queue is
     ordered by priority (lower runs first), improved by ``priority_aging_rate``
     per step waited.
     """

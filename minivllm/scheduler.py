@@ -129,7 +129,9 @@ class Scheduler:
                 seq.cached_token_count = bm.match_prefix(seq)
             n = self._chunk_size(seq, budget)
             new_blocks = bm.blocks_needed(seq, seq.cached_token_count + n)
-            watermark_ok = (seq.metrics.first_scheduled_time is not None  # admission control: new requests only
+            # Admission control keeps headroom for the running requests, so it applies to new requests only
+            # and only while some are running: an idle engine always admits (else a big request waits forever).
+            watermark_ok = (seq.metrics.first_scheduled_time is not None or not self.running
                             or bm.num_free_blocks - new_blocks >= cfg.admission_watermark * bm.num_blocks)
             if n > budget or not watermark_ok or not bm.allocate(seq, seq.cached_token_count + n):
                 bm.free(seq)  # give back the prefix-cache hits; try again next step

@@ -80,6 +80,17 @@ def test_admission_watermark_holds_back_new_requests_only():
     assert b.status.name != "WAITING"
 
 
+def test_an_idle_engine_admits_a_request_bigger_than_the_pool_minus_the_watermark():
+    """10 of 10 blocks with half held back: nothing runs, so there is no headroom to keep and it must start."""
+    sched = make(num_blocks=10, block_size=2, max_num_seqs=4, admission_watermark=0.5)
+    big = seq("big", 18, max_tokens=2)  # 18 + 2 tokens = all 10 blocks
+    sched.add(big)
+    for _ in range(5):
+        step(sched)
+        sched.block_manager.check_invariants(sched.sequences)
+    assert big.status.name == "FINISHED_LENGTH"
+
+
 def _starvation(aging_rate, steps=300):
     """A low-priority request against a high-priority arrival every step; returns when it finished."""
     sched = make(num_blocks=64, block_size=4, max_num_seqs=1, scheduling_policy="priority",
