@@ -12,11 +12,20 @@ import json
 import os
 import sys
 
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.bench import (WORKLOADS, check_workload_sizes, format_results, make_workload, measure_machine,
+                            roofline, run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
+                            run_static, same_outputs, step_breakdown)
+from minivllm.bench.cli import (add_min_max, block_size_int, check_token_budget, nonneg_finite_float, nonneg_int,
+                                positive_finite_float, positive_int, probability, top_k_int, writable_file)
+from minivllm.config import cdiv, default_device
+from minivllm.models import load_model, load_tokenizer, model_folder
+from minivllm.simple_generation import chat_prompt_ids
+
 
 def _generate(args) -> int:
-    from minivllm import LLM, SamplingParams
-    from minivllm.simple_generation import chat_prompt_ids
-
     llm = LLM(args.model, device=args.device)
     tokenizer = llm.get_tokenizer()
     prompt = args.prompt if args.raw else chat_prompt_ids(tokenizer, args.prompt, args.system)
@@ -31,25 +40,23 @@ def _generate(args) -> int:
 COMPARISONS = ("hf-batch", "hf-static", "hf-single", "static", "contiguous", "naive")
 
 
-def _bench(args) -> int:
-    import torch
+SIZE_FLAGS = ("num_requests", "prompt_len", "output_len", "rate")  # bench flags that override a workload's size
 
-    from minivllm.bench import (format_results, make_workload, measure_machine, roofline, run_contiguous,
-                                run_engine, run_hf_generate, run_hf_generate_batch, run_naive, run_static,
-                                same_outputs)
-    from minivllm.config import default_device
-    from minivllm.models import load_model, model_folder
 
+def _bench(args, parser) -> int:
     device = torch.device(args.device) if args.device else default_device()
-    model, tokenizer = load_model(args.model, device)
-    sizes = {k: v for k, v in (("num_requests", args.num_requests), ("prompt_len", args.prompt_len),
-                               ("output_len", args.output_len), ("rate", args.rate)) if v is not None}
-    workload = make_workload(args.workload, tokenizer, seed=args.seed, **sizes)
+    sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
+    workload = make_workload(args.workload, load_tokenizer(args.model), seed=args.seed, **sizes)
+    max_num_seqs = args.max_num_seqs or max(16, len(workload.arrivals))  # run_engine's default
+    check_token_budget(parser, args.max_num_batched_tokens, max_num_seqs,
+                       "--max-num-seqs, by default every request of the workload and at least 16",
+                       None if args.chunked_prefill else max(map(len, workload.prompts)),
+                       "the workload's longest prompt; or use --chunked-prefill")
     compare = COMPARISONS[:2] if args.compare is None and workload.is_offline else (args.compare or [])
     compare = [c for c in compare if c != "none"]
     if compare and not workload.is_offline:
-        print(f"--compare needs an offline workload; {workload.name!r} has arrivals over time", file=sys.stderr)
-        return 2
+        parser.error(f"argument --compare: needs an offline workload; {workload.name!r} has arrivals over time")
+    model, _ = load_model(args.model, device)
     print(f"workload {workload.name}: {workload.description}; greedy, ignore_eos, seed {args.seed}")
     print(f"model {args.model} float32 on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
                                                        if device.type == "cpu" else ""), flush=True)
@@ -66,7 +73,7 @@ def _bench(args) -> int:
     for name in compare:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         if name.startswith("hf") and hf is None:
-            from transformers import AutoModelForCausalLM
+            from transformers import AutoModelForCausalLM  # optional and heavy: only the HF baselines need it
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
@@ -100,12 +107,9 @@ def _bench(args) -> int:
               f"(greedy outputs identical for {same_outputs(ours, r)}/{len(r.token_ids)} requests)")
     breakdown = None
     if args.breakdown:
-        from minivllm import LLM
-        from minivllm.bench import step_breakdown
-
         sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= args.breakdown]
         llm = LLM(args.model, device=str(device), block_size=args.block_size, max_num_seqs=max(sizes),
-                  num_blocks=max(sizes) * -(-(64 + 16) // args.block_size) + 8)
+                  num_blocks=max(sizes) * cdiv(64 + 16, args.block_size) + 8)
         breakdown = step_breakdown(llm, sizes, prompt_len=64, steps=5)
         print("\none decode step, by phase (ms, medians of 5; prompts of 64 tokens):")
         print(f"{'B':>3} {'step':>8} {'per token':>9} {'forward':>8} {'sample':>7} {'python':>7} {'python %':>8}")
@@ -140,44 +144,58 @@ def main(argv=None) -> int:
     g.add_argument("--model", default="smollm2-135m", help="smollm2-135m (embedded), tiny-random, an HF repo id or folder")
     g.add_argument("--system", default=None, help="a system message")
     g.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=positive_int, default=128)
+    g.add_argument("--temperature", type=nonneg_finite_float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=probability, default=1.0)
+    g.add_argument("--top-k", type=top_k_int, default=-1, help="-1 = off")
+    g.add_argument("--seed", type=nonneg_int, default=None)
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-
-    from minivllm.bench.workloads import WORKLOADS
 
     b = sub.add_parser("bench", help="run a benchmark workload and print the metrics",
                        description="Run a workload through minivllm (and, offline, through HF transformers) and "
                                    "print throughput, TTFT/TPOT/ITL/E2E percentiles, KV use and the roofline.")
     b.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
-    b.add_argument("--json", metavar="FILE", help="also write every figure to FILE as JSON")
+    b.add_argument("--json", metavar="FILE", type=writable_file, help="also write every figure to FILE as JSON")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--num-requests", type=int, default=None, help="override the workload's number of requests")
-    b.add_argument("--prompt-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
-    b.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), default=None)
-    b.add_argument("--rate", type=float, default=None, help="requests per second (online, shared-prefix)")
+    b.add_argument("--seed", type=nonneg_int, default=0)
+    b.add_argument("--num-requests", type=positive_int, default=None,
+                   help="override the workload's number of requests")
+    add_min_max(b, "--prompt-len", default=None)
+    add_min_max(b, "--output-len", default=None)
+    b.add_argument("--rate", type=positive_finite_float, default=None,
+                   help="requests per second (online, shared-prefix)")
     b.add_argument("--compare", nargs="+", choices=COMPARISONS + ("none",), default=None,
                    help="baselines on the same workload (offline only; default hf-batch hf-static)")
-    b.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf-static/static baselines")
-    b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--max-num-seqs", type=int, default=None, help="default: every request of the workload")
-    b.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    b.add_argument("--chunked-prefill", type=int, default=0, metavar="CHUNK", help="enable with this chunk size")
+    b.add_argument("--hf-batch-size", type=positive_int, default=16,
+                   help="static batch size of the hf-static/static baselines")
+    b.add_argument("--block-size", type=block_size_int, default=16)
+    b.add_argument("--max-num-seqs", type=positive_int, default=None, help="default: every request of the workload")
+    b.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    b.add_argument("--chunked-prefill", type=nonneg_int, default=0, metavar="CHUNK",
+                   help="enable with this chunk size (0 = off)")
     b.add_argument("--prefix-caching", action="store_true")
-    b.add_argument("--slo-ttft", type=float, default=None, metavar="MS", help="goodput: TTFT limit in ms")
-    b.add_argument("--slo-tpot", type=float, default=None, metavar="MS", help="goodput: TPOT limit in ms")
+    b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",
+                   help="goodput: TTFT limit in ms")
+    b.add_argument("--slo-tpot", type=positive_finite_float, default=None, metavar="MS",
+                   help="goodput: TPOT limit in ms")
     b.add_argument("--no-roofline", dest="roofline", action="store_false", help="skip measuring the machine")
-    b.add_argument("--breakdown", type=int, default=0, metavar="MAX_B",
+    b.add_argument("--breakdown", type=nonneg_int, default=0, metavar="MAX_B",
                    help="also time the phases of a decode step at batch sizes 1, 2, 4, ... up to MAX_B")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    return _generate(args) if args.command == "generate" else _bench(args)
+    if args.command == "generate":
+        return _generate(args)
+    for size in SIZE_FLAGS:  # a size the workload does not have (argparse checked the ranges)
+        if getattr(args, size) is not None:
+            try:
+                check_workload_sizes(args.workload, **{size: getattr(args, size)})
+            except ValueError as e:
+                b.error(f"argument --{size.replace('_', '-')}: {e}")
+    if args.max_num_seqs:
+        check_token_budget(b, args.max_num_batched_tokens, args.max_num_seqs, "--max-num-seqs")
+    return _bench(args, b)
 
 
 if __name__ == "__main__":

@@ -4,11 +4,18 @@ Chapter 02 shows that prefilling a prompt chunk by chunk through a KV cache is
 exact: the chunk ``[a, b)`` attends to every cached key ``[0, b)`` with the
 mask ``key <= a + row``. Chapter 01 uses :class:`ContiguousKVCache` for one
 sequence; chapter 05 replaces it with paged attention over block tables.
+
+Every cache implements one protocol, :class:`KVCache`: each layer hands it the
+step's queries, keys and values, their positions and the step's attention
+metadata (a :class:`PagedBatch` for the paged cache, built once per step
+before the first layer), and gets the attention output back.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +26,13 @@ __all__ = [
     "chunked_causal",
     "attend",
     "fold_mask",
+    "KVCache",
     "NoCache",
     "ContiguousKVCache",
+    "AttentionGroup",
+    "PagedBatch",
+    "split_by_padding",
+    "PagedKVCache",
 ]
 
 
@@ -98,10 +110,22 @@ def fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
     return mask.unsqueeze(-3).expand(*lead, group, nq, nk).reshape(*lead, group * nq, nk)
 
 
+class KVCache(Protocol):
+    """What the model needs from a KV cache: store this layer's keys and values, return the attention output.
+
+    ``q`` is ``[T, heads, dim]``, ``k`` and ``v`` ``[T, kv_heads, dim]`` for the
+    step's ``T`` flat tokens at ``positions``; ``batch`` is the step's attention
+    metadata (None for the single-sequence caches).
+    """
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                batch: PagedBatch | None = None) -> torch.Tensor: ...
+
+
 class NoCache:
     """No KV cache: every forward sees only its own tokens (naive generation, chapter 01)."""
 
-    def forward(self, layer: int, q, k, v, positions):
+    def forward(self, layer: int, q, k, v, positions, batch=None):
         # q: [T, H, D], k/v: [T, KVH, D] for one sequence, causal among themselves.
         n = q.shape[0]
         mask = causal_chunk_mask(0, n, q.device)
@@ -135,7 +159,7 @@ class ContiguousKVCache:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2
 
-    def forward(self, layer: int, q, k, v, positions):
+    def forward(self, layer: int, q, k, v, positions, batch=None):
         a = int(positions[0])
         b = a + q.shape[0]
         if b > self.max_len:
@@ -149,22 +173,47 @@ class ContiguousKVCache:
         return out.transpose(0, 1)
 
 
+@dataclass
+class AttentionGroup:
+    """One padded rectangle of sequences attended in one call (chapter 05).
+
+    ``block_tables[b]`` is row ``b``'s block table padded with block 0;
+    ``mask[b, i, j]`` says whether its query row ``i`` may see key ``j``
+    (``folded_mask`` is the same, repeated for the query heads that share a KV
+    head); ``query_index`` picks the rows' queries out of the step's flat
+    tokens, ``valid`` marks real (not padding) query rows and ``out_index``
+    says where their outputs go back.
+    """
+
+    block_tables: torch.Tensor  # [B, W] long
+    mask: torch.Tensor  # [B, Lq, W * block_size] bool
+    folded_mask: torch.Tensor  # [B, group * Lq, W * block_size] bool
+    query_index: torch.Tensor  # [B, Lq] long
+    valid: torch.Tensor  # [B, Lq] bool
+    out_index: torch.Tensor  # [valid rows] long
+    all_valid: bool  # no padding rows (every decode group): the output needs no boolean gather
+
+
 class PagedBatch:
     """Where one engine step's tokens read and write KV in the paged pools (chapter 05).
 
     Sequence ``b`` feeds ``query_lens[b]`` tokens that end at ``context_lens[b]``
     (so its queries sit at positions ``context_lens[b] - query_lens[b]`` onward),
-    flattened one sequence after another. All indices are built once per step
-    and shared by every layer. Sequences are attended in padded groups, decodes
-    (one query) apart from prefills, so no layer loops over sequences. A kind
-    is split further, by length, only where the padding saved is worth one more
-    attention call (:func:`split_by_padding`; chapter 11 measures it), so a
-    small batch has at most two groups.
+    flattened one sequence after another. All indices and masks are built once
+    per step, before the first layer, and shared by every layer; give
+    ``num_queries_per_kv`` (query heads per KV head) so the masks are built
+    folded for grouped-query attention. Sequences are attended in padded
+    groups (:class:`AttentionGroup`), decodes (one query) apart from prefills,
+    so no layer loops over sequences. A kind is split further, by length, only
+    where the padding saved is worth one more attention call
+    (:func:`split_by_padding`; chapter 12 measures it), so a small batch has at
+    most two groups.
     """
 
     def __init__(self, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
-                 block_size: int, device):
+                 block_size: int, device, num_queries_per_kv: int = 1):
         self.block_size = block_size
+        self.num_queries_per_kv = num_queries_per_kv
         starts, slots, t = [], [], 0
         for table, ctx, n in zip(block_tables, context_lens, query_lens):
             starts.append(t)
@@ -172,14 +221,14 @@ class PagedBatch:
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx))
         self.num_tokens = t
         self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-        self.groups = []
+        self.groups: list[AttentionGroup] = []
         for wanted in (lambda n: n == 1, lambda n: n > 1):
             rows = sorted((b for b, n in enumerate(query_lens) if wanted(n)), key=lambda b: len(block_tables[b]))
             for part in split_by_padding(rows, [len(block_tables[b]) * block_size for b in rows],
                                          [query_lens[b] for b in rows]):
                 self.groups.append(self._group(part, block_tables, context_lens, query_lens, starts, device))
 
-    def _group(self, rows, block_tables, context_lens, query_lens, starts, device):
+    def _group(self, rows, block_tables, context_lens, query_lens, starts, device) -> AttentionGroup:
         bs = self.block_size
         ctx = torch.tensor([context_lens[b] for b in rows], device=device)
         qlen = torch.tensor([query_lens[b] for b in rows], device=device)
@@ -196,8 +245,8 @@ class PagedBatch:
         mask &= valid[:, :, None]
         mask[:, :, 0] |= ~valid  # padded rows see one key, so softmax stays finite
         query_index = torch.where(valid, start[:, None] + i, 0)
-        return dict(block_tables=tables, query_index=query_index, valid=valid, mask=mask,
-                    out_index=query_index[valid], all_valid=bool(qlen.min() == max_q))
+        return AttentionGroup(tables, mask, fold_mask(mask, self.num_queries_per_kv), query_index, valid,
+                              query_index[valid], bool(qlen.min() == max_q))
 
 
 def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = 4,
@@ -209,23 +258,29 @@ def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max
     value out of the pool (worth about ``gather_cost`` queries). The cut that
     saves the most is made while it saves at least ``min_saving`` (about what
     one more attention call per layer costs), so similar lengths share a group
-    and a lone long sequence gets its own.
+    and a lone long sequence gets its own. Each cut is found in one pass over
+    the rows (running maxima of the query lengths from both ends).
     """
-    def cost(lo, hi):
-        return (hi - lo) * key_lens[hi - 1] * (max(query_lens[lo:hi]) + gather_cost)
+    def best_cut(lo, hi):
+        """The cut of ``rows[lo:hi]`` that saves the most, as (saving, cut)."""
+        suffix_q = [0] * (hi - lo + 1)
+        for r in range(hi - 1, lo - 1, -1):
+            suffix_q[r - lo] = max(query_lens[r], suffix_q[r - lo + 1])
+        whole = (hi - lo) * key_lens[hi - 1] * (suffix_q[0] + gather_cost)
+        best, prefix_q = (0, None), 0
+        for cut in range(lo + 1, hi):
+            prefix_q = max(prefix_q, query_lens[cut - 1])
+            left = (cut - lo) * key_lens[cut - 1] * (prefix_q + gather_cost)
+            right = (hi - cut) * key_lens[hi - 1] * (suffix_q[cut - lo] + gather_cost)
+            if whole - left - right > best[0]:
+                best = (whole - left - right, cut)
+        return best
 
     runs = [(0, len(rows))] if rows else []
-    while len(runs) < max_groups:
-        best = (min_saving - 1, None)
-        for r, (lo, hi) in enumerate(runs):
-            whole = cost(lo, hi)
-            for cut in range(lo + 1, hi):
-                saving = whole - cost(lo, cut) - cost(cut, hi)
-                if saving > best[0]:
-                    best = (saving, (r, cut))
-        if best[1] is None:
+    while runs and len(runs) < max_groups:
+        (saving, cut), r = max(((best_cut(lo, hi), r) for r, (lo, hi) in enumerate(runs)), key=lambda x: x[0][0])
+        if cut is None or saving < min_saving:
             break
-        r, cut = best[1]
         lo, hi = runs[r]
         runs[r:r + 1] = [(lo, cut), (cut, hi)]
     return [rows[lo:hi] for lo, hi in runs]
@@ -235,7 +290,9 @@ class PagedKVCache:
     """Per-layer K/V pools ``[num_blocks, block_size, kv_heads, head_dim]`` (chapter 05).
 
     ``forward`` writes the step's keys and values through the slot mapping and
-    attends by gathering each sequence's keys through its block table.
+    attends by gathering each sequence's keys through its block table. Whole
+    blocks move between pools with :meth:`copy_blocks` (a fork's copy on
+    write) and :meth:`swap` (to and from the CPU pool, chapter 10).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -249,13 +306,20 @@ class PagedKVCache:
         self.cpu_k = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
         self.cpu_v = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
         self.block_size = block_size
-        self.batch: PagedBatch | None = None
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0):
         c, p = model.config, next(model.parameters())
         return cls(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, model.head_dim,
                    p.dtype, p.device, num_cpu_blocks)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole device blocks, every layer: (source, destination) pairs."""
+        if not pairs:
+            return
+        src, dst = (torch.tensor(x, dtype=torch.long, device=self.k.device) for x in zip(*pairs))
+        for pool in (self.k, self.v):
+            pool[:, dst] = pool[:, src]
 
     def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         """Copy whole blocks, every layer: (device, cpu) pairs to the CPU pool, or (cpu, device) pairs back."""
@@ -274,22 +338,18 @@ class PagedKVCache:
         c, p = model.config, next(model.parameters())
         return 2 * c.num_hidden_layers * c.num_key_value_heads * model.head_dim * p.element_size()
 
-    def forward(self, layer: int, q, k, v, positions):
-        batch = self.batch
+    def forward(self, layer: int, q, k, v, positions, batch: PagedBatch):
         kv_heads, d = k.shape[1:]
         k_pool, v_pool = self.k[layer], self.v[layer]
         k_pool.view(-1, kv_heads, d).index_copy_(0, batch.slot_mapping, k)
         v_pool.view(-1, kv_heads, d).index_copy_(0, batch.slot_mapping, v)
         out = torch.empty_like(q)
-        for g in batch.groups:
-            tables = g["block_tables"]  # [B, W]: gather whole blocks, then see them as one run of keys
-            B, W = tables.shape
-            flat = tables.flatten()
+        for g in batch.groups:  # gather whole blocks, then see them as one run of keys
+            B, W = g.block_tables.shape
+            flat = g.block_tables.flatten()
             keys = k_pool.index_select(0, flat).view(B, W * self.block_size, kv_heads, d).transpose(1, 2)
             values = v_pool.index_select(0, flat).view(B, W * self.block_size, kv_heads, d).transpose(1, 2)
-            queries = q[g["query_index"]].transpose(1, 2)  # [B, heads, Lq, D]
-            if "folded_mask" not in g:  # built by the first layer, reused by the others
-                g["folded_mask"] = fold_mask(g["mask"], q.shape[1] // kv_heads)
-            o = attend(queries, keys, values, g["folded_mask"]).transpose(1, 2)  # [B, Lq, heads, D]
-            out[g["out_index"]] = o.flatten(0, 1) if g["all_valid"] else o[g["valid"]]  # decodes: no padding rows
+            queries = q[g.query_index].transpose(1, 2)  # [B, heads, Lq, D]
+            o = attend(queries, keys, values, g.folded_mask).transpose(1, 2)  # [B, Lq, heads, D]
+            out[g.out_index] = o.flatten(0, 1) if g.all_valid else o[g.valid]  # decodes: no padding rows
         return out

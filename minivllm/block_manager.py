@@ -1,4 +1,4 @@
-"""The KV pool's bookkeeping: blocks, block tables, ref counts and the prefix cache (chapters 04 and 08).
+"""The KV pool's bookkeeping: blocks, block tables, ref counts and the prefix cache (chapters 04, 08 and 10).
 
 Pure Python: it hands out block ids and never touches a tensor. A sequence's
 ``block_table`` lists its blocks in token order, so token ``i`` lives in block
@@ -11,6 +11,9 @@ hash is only an index: a hit is confirmed by the block's token ids and by its
 parent block (id and registration generation), so a collision can never serve
 wrong KV. Freed blocks keep their KV and hash; they are evicted least recently
 used, and only when a new block is needed and no unhashed free block is left.
+
+Admission is one step: :meth:`lookup_prefix` only looks, and
+:meth:`allocate` claims the hits and the new blocks together, or nothing.
 """
 
 from __future__ import annotations
@@ -18,35 +21,43 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from minivllm.config import cdiv
 from minivllm.sequence import Sequence
 
+__all__ = ["Block", "BlockManager"]
 
-@dataclass(frozen=True)
-class CachedBlock:
-    """What a registered block holds: its tokens and the exact parent it was computed after."""
 
-    tokens: tuple[int, ...]
-    parent: tuple[int, int] | None  # (block id, generation) of the previous block, None for the first
+@dataclass
+class Block:
+    """One KV block: who holds it, and, while it is in the prefix cache, what it holds."""
+
+    block_id: int
+    ref_count: int = 0  # sequences whose block table holds it
+    hash: int | None = None  # chain hash, while registered in the prefix cache
+    tokens: tuple[int, ...] | None = None  # the token ids its KV was computed for, while registered
+    parent: tuple[int, int] | None = None  # (block id, generation) of the block before it, while registered
+    generation: int = 0  # bumped at each registration, so a stale parent link never matches
+
+    def matches(self, tokens: tuple[int, ...], parent: tuple[int, int] | None) -> bool:
+        return self.hash is not None and self.tokens == tokens and self.parent == parent
 
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, watermark: float = 0.0):
         self.num_blocks = num_blocks
-        self.num_cpu_blocks = num_cpu_blocks
-        self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))  # the swap space (chapter 10)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.ref_counts = [0] * num_blocks
+        self.watermark_blocks = watermark * num_blocks  # headroom that admissions leave free (chapter 10)
+        self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: deque[int] = deque(range(num_blocks))  # ref 0, no hash
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0 with a hash, least recently used first
-        self.block_hash: dict[int, int] = {}
         self.hash_to_block: dict[int, int] = {}
-        self.cached: dict[int, CachedBlock] = {}
-        self.generation = [0] * num_blocks  # bumped each time a block is registered
-        # request id -> per computed full block: (chain hash, the registered block holding exactly that
-        # prefix as (id, generation), or None if there is none, e.g. after a hash collision)
-        self.seq_links: dict[str, list[tuple[int, tuple[int, int] | None]]] = {}
+        # seq_id -> per computed full block: (chain hash, the registered block holding exactly that prefix as
+        # (id, generation), or None if there is none, e.g. after a hash collision)
+        self.seq_links: dict[int, list[tuple[int, tuple[int, int] | None]]] = {}
+        self.num_cpu_blocks = num_cpu_blocks
+        self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))  # the swap space (chapter 10)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -62,20 +73,34 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its table covers ``num_tokens`` tokens."""
-        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
-
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
+        return max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
 
     # -- allocation ----------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow ``seq``'s table to cover ``num_tokens`` tokens; all or nothing (False, unchanged)."""
-        need = self.blocks_needed(seq, num_tokens)
-        if need > self.num_free_blocks:
+    def allocate(self, seq: Sequence, num_tokens: int, cached_blocks: list[int] = (),
+                 watermark: bool = False) -> bool:
+        """Grow ``seq``'s table to cover ``num_tokens`` tokens; all or nothing (False: nothing changed).
+
+        ``cached_blocks`` (from :meth:`lookup_prefix`, for a sequence without
+        blocks) are claimed first. With ``watermark`` the allocation must also
+        leave the admission watermark free.
+        """
+        assert not cached_blocks or not seq.block_table, "cached blocks start a sequence without blocks"
+        need = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_blocks)
+        revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)  # they leave the free count too
+        free_after = self.num_free_blocks - revived - max(0, need)
+        if free_after < (self.watermark_blocks if watermark else 0):
             return False
+        for b in cached_blocks:
+            self._claim(b)
+        seq.block_table.extend(cached_blocks)
         for _ in range(need):
             seq.block_table.append(self._take_free_block())
         return True
+
+    def _claim(self, block: int) -> None:
+        if self.blocks[block].ref_count == 0:
+            del self.evictable[block]
+        self.blocks[block].ref_count += 1
 
     def _take_free_block(self) -> int:
         if self.free_blocks:
@@ -83,7 +108,7 @@ class BlockManager:
         else:  # evict the least recently used cached block
             block, _ = self.evictable.popitem(last=False)
             self._unregister(block)
-        self.ref_counts[block] = 1
+        self.blocks[block].ref_count = 1
         return block
 
     def free(self, seq: Sequence) -> None:
@@ -92,16 +117,41 @@ class BlockManager:
         seq.block_table = []
         self.free_cpu_blocks.extend(seq.cpu_block_table)
         seq.cpu_block_table = []
-        self.seq_links.pop(seq.request_id, None)
+        self.seq_links.pop(seq.seq_id, None)
 
     def _release(self, blocks: list[int]) -> None:
         for block in reversed(blocks):  # tail first: the prefix stays cached longest
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if block in self.block_hash:
+            record = self.blocks[block]
+            record.ref_count -= 1
+            if record.ref_count == 0:
+                if record.hash is not None:
                     self.evictable[block] = None
                 else:
                     self.free_blocks.append(block)
+
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
+        """Give ``child`` ``parent``'s computed blocks: full ones shared, a partly filled last one copied.
+
+        Returns the (source, destination) block copies to make before the
+        child's next forward (copy on write), or None when no block is free for
+        the copy (the child must then recompute instead).
+        """
+        assert not child.block_table, "fork into a sequence without blocks"
+        computed = parent.cached_token_count
+        full = computed // self.block_size
+        partial = computed % self.block_size != 0
+        if partial and self.num_free_blocks == 0:
+            return None
+        for block in parent.block_table[:full]:
+            self._claim(block)
+        child.block_table = parent.block_table[:full]
+        copies = []
+        if partial:
+            copies.append((parent.block_table[full], self._take_free_block()))
+            child.block_table.append(copies[0][1])
+        child.cached_token_count = computed
+        self.seq_links[child.seq_id] = list(self.seq_links.get(parent.seq_id, []))[:full]
+        return copies
 
     # -- swap (chapter 10) ---------------------------------------------------------------------
     def can_swap_out(self, seq: Sequence) -> bool:
@@ -115,13 +165,15 @@ class BlockManager:
         seq.cpu_block_table = [cpu for _, cpu in pairs]
         return pairs
 
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Bring ``seq``'s blocks back to the device; returns the (cpu block, device block) copies to make."""
-        assert len(seq.cpu_block_table) <= self.num_free_blocks, "swap_in without room"
+    def swap_in(self, seq: Sequence, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Bring ``seq``'s blocks back and grow them to ``num_tokens`` tokens; the (cpu, device) copies, or None."""
+        if max(len(seq.cpu_block_table), cdiv(num_tokens, self.block_size)) > self.num_free_blocks:
+            return None
         pairs = [(cpu, self._take_free_block()) for cpu in seq.cpu_block_table]
         self.free_cpu_blocks.extend(seq.cpu_block_table)
         seq.cpu_block_table = []
         seq.block_table = [block for _, block in pairs]
+        self.allocate(seq, num_tokens)
         return pairs
 
     # -- prefix cache --------------------------------------------------------------------------
@@ -129,35 +181,38 @@ class BlockManager:
     def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
         return hash((parent_hash, tokens))
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Claim the cached blocks that start ``seq``'s tokens; returns the number of tokens they hold.
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks that start ``seq``'s tokens, without claiming them (a pure lookup).
 
-        Only for a sequence with no blocks yet. The last token is never served
-        from the cache: its logits are needed to sample the next token.
+        The last token is never served from the cache: its logits are needed
+        to sample the next token.
         """
-        assert not seq.block_table, "match_prefix is for a sequence without blocks"
         if not self.enable_prefix_caching:
-            return 0
+            return []
         tokens, bs = seq.token_ids, self.block_size
-        links: list[tuple[int, tuple[int, int] | None]] = []
+        found: list[int] = []
+        parent_hash, parent = None, None
         for i in range((len(tokens) - 1) // bs):
             chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            h = self.chain_hash(links[-1][0] if links else None, chunk)
-            block = self.hash_to_block.get(h)
-            if block is None or self.cached[block] != CachedBlock(chunk, links[-1][1] if links else None):
+            parent_hash = self.chain_hash(parent_hash, chunk)
+            block = self.hash_to_block.get(parent_hash)
+            if block is None or not self.blocks[block].matches(chunk, parent):
                 break
-            if self.ref_counts[block] == 0:
-                del self.evictable[block]
-            self.ref_counts[block] += 1
-            seq.block_table.append(block)
-            links.append((h, (block, self.generation[block])))
-        self.seq_links[seq.request_id] = links
-        return len(links) * bs
+            found.append(block)
+            parent = (block, self.blocks[block].generation)
+        return found
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Look up and claim the cached blocks that start ``seq``; returns the number of tokens they hold."""
+        assert not seq.block_table, "match_prefix is for a sequence without blocks"
+        hits = self.lookup_prefix(seq)
+        self.allocate(seq, len(hits) * self.block_size, hits)
+        return len(hits) * self.block_size
 
     def record_prefix_lookup(self, seq: Sequence, hit_tokens: int) -> None:
-        """Count an admitted request's lookup in the hit rate (a failed admission is retried, not counted)."""
+        """Count an admitted sequence's lookup: every token it looked up, and those found (vLLM's queries/hits)."""
         if self.enable_prefix_caching:
-            self.prefix_queried_tokens += seq.num_prompt_tokens
+            self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += hit_tokens
 
     def register_computed_blocks(self, seq: Sequence) -> None:
@@ -169,31 +224,29 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return
-        links = self.seq_links.setdefault(seq.request_id, [])
+        links = self.seq_links.setdefault(seq.seq_id, [])
         bs = self.block_size
         for i in range(len(links), seq.cached_token_count // bs):
             chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
             parent_hash, parent = links[-1] if links else (None, None)
             h = self.chain_hash(parent_hash, chunk)
-            expected = CachedBlock(chunk, parent)
             existing = self.hash_to_block.get(h)
-            if existing is not None:  # same prefix computed elsewhere, or a hash collision
-                same = self.cached[existing] == expected
-                links.append((h, (existing, self.generation[existing]) if same else None))
+            if existing is not None:  # same prefix computed elsewhere (our own hit, too), or a hash collision
+                same = self.blocks[existing].matches(chunk, parent)
+                links.append((h, (existing, self.blocks[existing].generation) if same else None))
             elif i > 0 and parent is None:  # the chain above is unregistered: nothing can reach this block
                 links.append((h, None))
             else:
-                block = seq.block_table[i]
-                self.generation[block] += 1
-                self.block_hash[block] = h
-                self.hash_to_block[h] = block
-                self.cached[block] = expected
-                links.append((h, (block, self.generation[block])))
+                record = self.blocks[seq.block_table[i]]
+                record.generation += 1
+                record.hash, record.tokens, record.parent = h, chunk, parent
+                self.hash_to_block[h] = record.block_id
+                links.append((h, (record.block_id, record.generation)))
 
     def _unregister(self, block: int) -> None:
-        h = self.block_hash.pop(block)
-        del self.hash_to_block[h]
-        del self.cached[block]
+        record = self.blocks[block]
+        del self.hash_to_block[record.hash]
+        record.hash = record.tokens = record.parent = None
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -214,17 +267,20 @@ class BlockManager:
         for block in range(self.num_cpu_blocks):
             assert cpu_owners[block] + (block in cpu_free) == 1, \
                 f"CPU block {block} has {cpu_owners[block]} owners and is {'' if block in cpu_free else 'not '}free"
-        free, evictable = list(self.free_blocks), list(self.evictable)
-        free_set, evictable_set = set(free), set(evictable)
-        assert len(free_set) == len(free), "a block is twice in the free list"
+        free_set, evictable_set = set(self.free_blocks), set(self.evictable)
+        assert len(free_set) == len(self.free_blocks), "a block is twice in the free list"
         assert not free_set & evictable_set, "a block is both free and evictable"
-        for block in range(self.num_blocks):
-            assert self.ref_counts[block] == owners[block], \
-                f"block {block}: ref count {self.ref_counts[block]} but {owners[block]} owners"
+        for record in self.blocks:
+            block = record.block_id
+            assert record.ref_count == owners[block], \
+                f"block {block}: ref count {record.ref_count} but {owners[block]} owners"
             in_free = block in free_set or block in evictable_set
             assert in_free != bool(owners[block]), \
                 f"block {block} is {'owned and free' if in_free else 'neither free nor owned (leaked)'}"
-        assert all(b in self.block_hash for b in evictable), "an evictable block has no hash"
-        assert not any(b in self.block_hash for b in free), "a free block still has a hash"
-        assert all(self.hash_to_block[h] == b for b, h in self.block_hash.items())
-        assert len(self.hash_to_block) == len(self.block_hash) == len(self.cached)
+            if block in evictable_set:
+                assert record.hash is not None, f"evictable block {block} has no hash"
+            if block in free_set:
+                assert record.hash is None, f"free block {block} still has a hash"
+            if record.hash is not None:
+                assert self.hash_to_block.get(record.hash) == block, f"block {block}'s hash points elsewhere"
+        assert len(self.hash_to_block) == sum(r.hash is not None for r in self.blocks)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, fields
 
@@ -18,7 +19,8 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _check(ok: bool, field: str, allowed: str, value) -> None:
+def check(ok: bool, field: str, allowed: str, value) -> None:
+    """Refuse a bad value with a ValueError that names the field and what it may be."""
     if not ok:
         raise ValueError(f"{field} must be {allowed}, got {value!r}")
 
@@ -38,9 +40,19 @@ class EngineConfig:
     is full. A request that was just resumed cannot be preempted again for
     ``preemption_protection_steps`` steps (0 turns the guard off). New requests
     are not admitted while fewer than ``admission_watermark`` of the blocks
-    would stay free (unless nothing is running: an idle engine always admits). With ``scheduling_policy="priority"`` the waiting queue is
-    ordered by priority (lower runs first), improved by ``priority_aging_rate``
-    per step waited.
+    would stay free (unless nothing is running: an idle engine always admits).
+    With ``scheduling_policy="priority"`` the waiting queue is ordered by
+    priority (lower runs first), improved by ``priority_aging_rate`` per step
+    waited.
+
+    Extension points (as vLLM's ``scheduler_cls``): ``scheduler_cls``,
+    ``block_manager_cls``, ``attention_backend`` (the paged KV cache class)
+    and ``sampler`` (the sampler class) take a class or its dotted name. The
+    defaults are minivllm's own, built through the same code path; the
+    exercises plug a reader's part in here.
+
+    ``pack_weights`` prepacks linear weights for oneDNN on a float32 CPU
+    (chapter 12); it never changes the tokens.
     """
 
     model: str = "smollm2-135m"
@@ -62,27 +74,36 @@ class EngineConfig:
     device: str | None = None
     dtype: str = "float32"
     seed: int = 0
+    pack_weights: bool = True
+    scheduler_cls: type | str = "minivllm.scheduler.Scheduler"
+    block_manager_cls: type | str = "minivllm.block_manager.BlockManager"
+    attention_backend: type | str = "minivllm.attention.PagedKVCache"
+    sampler: type | str = "minivllm.sampler.Sampler"
 
     def __post_init__(self):
-        _check(isinstance(self.model, str) and self.model != "", "model", "a non-empty string", self.model)
-        _check(is_int(self.block_size) and 1 <= self.block_size <= 1024, "block_size", "an integer in [1, 1024]", self.block_size)
-        _check(self.num_blocks is None or (is_int(self.num_blocks) and self.num_blocks >= 1), "num_blocks", "None or an integer >= 1", self.num_blocks)
-        _check(is_number(self.kv_cache_memory_fraction) and 0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction", "in (0, 1]", self.kv_cache_memory_fraction)
-        _check(is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1", self.max_num_seqs)
-        _check(is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens", f"an integer >= max_num_seqs ({self.max_num_seqs})", self.max_num_batched_tokens)
-        _check(self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2), "max_model_len", "None or an integer >= 2", self.max_model_len)
-        _check(isinstance(self.enable_chunked_prefill, bool), "enable_chunked_prefill", "True or False", self.enable_chunked_prefill)
-        _check(is_int(self.max_prefill_chunk_size) and self.max_prefill_chunk_size >= 1, "max_prefill_chunk_size", "an integer >= 1", self.max_prefill_chunk_size)
-        _check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "True or False", self.enable_prefix_caching)
-        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"one of {PREEMPTION_MODES}", self.preemption_mode)
-        _check(self.num_cpu_blocks is None or (is_int(self.num_cpu_blocks) and self.num_cpu_blocks >= 0), "num_cpu_blocks", "None or an integer >= 0", self.num_cpu_blocks)
-        _check(is_number(self.admission_watermark) and 0 <= self.admission_watermark < 1, "admission_watermark", "in [0, 1)", self.admission_watermark)
-        _check(is_int(self.preemption_protection_steps) and self.preemption_protection_steps >= 0, "preemption_protection_steps", "an integer >= 0", self.preemption_protection_steps)
-        _check(is_number(self.priority_aging_rate) and self.priority_aging_rate >= 0, "priority_aging_rate", "a number >= 0", self.priority_aging_rate)
-        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
-        _check(self.device is None or str(self.device).split(":")[0] in ("cpu", "cuda", "mps"), "device", "None, 'cpu', 'cuda' or 'mps'", self.device)
-        _check(self.dtype in DTYPES, "dtype", f"one of {tuple(DTYPES)}", self.dtype)
-        _check(is_int(self.seed), "seed", "an integer", self.seed)
+        check(isinstance(self.model, str) and self.model != "", "model", "a non-empty string", self.model)
+        check(is_int(self.block_size) and 1 <= self.block_size <= 1024, "block_size", "an integer in [1, 1024]", self.block_size)
+        check(self.num_blocks is None or (is_int(self.num_blocks) and self.num_blocks >= 1), "num_blocks", "None or an integer >= 1", self.num_blocks)
+        check(is_number(self.kv_cache_memory_fraction) and 0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction", "in (0, 1]", self.kv_cache_memory_fraction)
+        check(is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1", self.max_num_seqs)
+        check(is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= self.max_num_seqs, "max_num_batched_tokens", f"an integer >= max_num_seqs ({self.max_num_seqs})", self.max_num_batched_tokens)
+        check(self.max_model_len is None or (is_int(self.max_model_len) and self.max_model_len >= 2), "max_model_len", "None or an integer >= 2", self.max_model_len)
+        check(isinstance(self.enable_chunked_prefill, bool), "enable_chunked_prefill", "True or False", self.enable_chunked_prefill)
+        check(is_int(self.max_prefill_chunk_size) and self.max_prefill_chunk_size >= 1, "max_prefill_chunk_size", "an integer >= 1", self.max_prefill_chunk_size)
+        check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "True or False", self.enable_prefix_caching)
+        check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"one of {PREEMPTION_MODES}", self.preemption_mode)
+        check(self.num_cpu_blocks is None or (is_int(self.num_cpu_blocks) and self.num_cpu_blocks >= 0), "num_cpu_blocks", "None or an integer >= 0", self.num_cpu_blocks)
+        check(is_number(self.admission_watermark) and 0 <= self.admission_watermark < 1, "admission_watermark", "in [0, 1)", self.admission_watermark)
+        check(is_int(self.preemption_protection_steps) and self.preemption_protection_steps >= 0, "preemption_protection_steps", "an integer >= 0", self.preemption_protection_steps)
+        check(is_number(self.priority_aging_rate) and self.priority_aging_rate >= 0, "priority_aging_rate", "a number >= 0", self.priority_aging_rate)
+        check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
+        check(self.device is None or str(self.device).split(":")[0] in available_devices(), "device",
+              f"None or one available here: {available_devices()}", self.device)
+        check(self.dtype in DTYPES, "dtype", f"one of {tuple(DTYPES)}", self.dtype)
+        check(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63 - 1]", self.seed)
+        check(isinstance(self.pack_weights, bool), "pack_weights", "True or False", self.pack_weights)
+        for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler"):
+            resolve(getattr(self, name), name)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -97,7 +118,25 @@ class EngineConfig:
         return torch.device(self.device) if self.device else default_device()
 
     def blocks_for(self, num_tokens: int) -> int:
-        return math.ceil(num_tokens / self.block_size)
+        return cdiv(num_tokens, self.block_size)
+
+
+def available_devices() -> tuple[str, ...]:
+    """The device types this machine can run on."""
+    mps = getattr(torch.backends, "mps", None)
+    return ("cpu",) + (("cuda",) if torch.cuda.is_available() else ()) + (("mps",) if mps and mps.is_available() else ())
+
+
+def resolve(obj: type | str, field: str = "class") -> type:
+    """An extension point's class, given the class itself or its dotted name (``"package.module.Name"``)."""
+    if isinstance(obj, str):
+        module, _, name = obj.rpartition(".")
+        try:
+            obj = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as e:
+            raise ValueError(f"{field} must be a class or an importable dotted name, got {obj!r} ({e})") from None
+    check(isinstance(obj, type), field, "a class or an importable dotted name", obj)
+    return obj
 
 
 def free_memory_bytes(device: torch.device) -> int:
@@ -112,9 +151,27 @@ def free_memory_bytes(device: torch.device) -> int:
     return min(avail, CPU_KV_BUDGET_BYTES)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of ``b`` tokens hold ``a`` tokens."""
+    return -(-a // b)
+
+
+def cpu_pool_blocks(config: EngineConfig, num_blocks: int) -> int:
+    """Blocks of the CPU swap pool: none unless ``preemption_mode="swap"``, then ``num_cpu_blocks`` or the device pool's size."""
+    if config.preemption_mode != "swap":
+        return 0
+    return num_blocks if config.num_cpu_blocks is None else config.num_cpu_blocks
+
+
 def is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
 def is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    """A real number a float can hold, not a bool: ``10**400`` is an integer but no float, so it is not."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False

@@ -4,26 +4,47 @@
 forward, sample, update, and return a ``RequestOutput`` for every request that
 produced a token (with the new text, detokenized incrementally). ``LLM`` wraps
 it for offline use: ``generate`` a list of prompts, or ``stream`` one.
+
+Reliability rules the engine keeps:
+
+- Bad input raises ``ValueError`` naming the field before any state changes;
+  ``LLM.generate`` checks every prompt before queueing any.
+- A request that fails inside a step ends alone, with ``finish_reason
+  "error"`` and its blocks freed; every other request goes on.
+- One owner per output: a request queued by an ``LLM`` call gets its outputs
+  in that call, whoever runs the step; a request added with
+  ``LLMEngine.add_request`` gets them from ``LLMEngine.step()``.
+- Threads: every public method holds the engine's lock, so concurrent callers
+  are serialised, never interleaved; ``LLM.generate`` and ``LLM.stream`` from
+  several threads (or several open streams in one) all get their own tokens.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import threading
+from collections import deque
+from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 import torch
+from tqdm.auto import tqdm
+from transformers import GenerationConfig
 
-from minivllm.bench.timing import PhaseClock
-from minivllm.block_manager import BlockManager
-from minivllm.config import EngineConfig, free_memory_bytes, is_int
 from minivllm.attention import PagedKVCache
-from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.config import EngineConfig, check, cpu_pool_blocks, free_memory_bytes, is_int, is_number, resolve
+from minivllm.detokenizer import OutputText
 from minivllm.model_runner import ModelRunner
-from minivllm.models import load_model
+from minivllm.models import load_model, model_folder
+from minivllm.sampler import SamplerOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler, SchedulerOutput
+from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import RequestMetrics, Sequence, SequenceStatus
+from minivllm.timing import PhaseClock
+
+__all__ = ["CompletionOutput", "RequestOutput", "EngineStats", "LLMEngine", "LLM"]
+
+MAX_PRIORITY = 2**63  # priorities are integers in (-MAX_PRIORITY, MAX_PRIORITY)
 
 
 @dataclass
@@ -33,7 +54,9 @@ class CompletionOutput:
     token_ids: list[int]
     delta_text: str = ""  # what this step added
     delta_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict] | None = None  # per output token, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -41,9 +64,10 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # one per sample (n), by index
     finished: bool
     metrics: RequestMetrics
+    error: str | None = None  # why a sample failed (finish_reason "error")
 
 
 @dataclass
@@ -60,6 +84,9 @@ class EngineStats:
     num_swapped_bytes: int = 0
     num_free_cpu_blocks: int = 0
     num_total_cpu_blocks: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (vLLM's counter)
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_failed_requests: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -70,36 +97,59 @@ class EngineStats:
         return self.num_used_blocks / self.num_total_blocks
 
 
+@dataclass
+class Request:
+    """One request inside the engine: its samples (``n`` sequences) and their texts."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    texts: list[OutputText]
+    inbox: deque | None = None  # outputs collected for the LLM call that owns it (None: LLMEngine.step's)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
 class LLMEngine:
     """A request-level serving engine over one model and one paged KV pool."""
 
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
-        self.model, self.tokenizer = load_model(config.model, config.torch_device, config.torch_dtype)
+        device = config.torch_device
+        self.model, self.tokenizer = load_model(config.model, device, config.torch_dtype, config.pack_weights)
         self.vocab_size = self.model.config.vocab_size
-        self.max_model_len = config.max_model_len or self.model.config.max_position_embeddings
-        self.num_blocks = config.num_blocks or self._blocks_from_memory()
-        self.num_cpu_blocks = 0 if config.preemption_mode != "swap" else (
-            self.num_blocks if config.num_cpu_blocks is None else config.num_cpu_blocks)
+        self.max_model_len = self._max_model_len()
         self.kv_bytes_per_block = PagedKVCache.bytes_per_token(self.model) * config.block_size
-        self.block_manager = BlockManager(self.num_blocks, config.block_size, config.enable_prefix_caching,
-                                          self.num_cpu_blocks)
-        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len, self._eos_token_ids(),
-                                   self.kv_bytes_per_block)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, config.seed, self.num_cpu_blocks)
-        self.requests: dict[str, Sequence] = {}  # unfinished requests by id
-        self.detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self.num_blocks = config.num_blocks or self._blocks_from_memory()
+        self.num_cpu_blocks = cpu_pool_blocks(config, self.num_blocks)
+        self.block_manager = resolve(config.block_manager_cls)(
+            self.num_blocks, config.block_size, config.enable_prefix_caching, self.num_cpu_blocks,
+            config.admission_watermark)
+        self.scheduler = resolve(config.scheduler_cls)(config, self.block_manager, self.max_model_len,
+                                                       self._eos_token_ids(), self.kv_bytes_per_block)
+        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
+                                  resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self.lock = threading.RLock()
+        self._held: list[RequestOutput] = []  # outputs for LLMEngine.step() produced by steps run for LLM calls
         self.num_steps = 0
+        self.num_failed_requests = 0
         self.last_schedule = SchedulerOutput()  # what the latest step ran (chapters draw timelines from it)
-        self.last_step_phases: dict[str, float] = {}  # seconds per phase of the latest step (chapter 11)
+        self.last_step_phases: dict[str, float] = {}  # seconds per phase of the latest step (chapter 12)
         self.sync_phase_timing = False  # on a GPU, wait for the device at each phase boundary
+
+    def _max_model_len(self) -> int:
+        limit = self.model.config.max_position_embeddings
+        wanted = self.config.max_model_len
+        check(wanted is None or wanted <= limit, "max_model_len",
+              f"None or at most the model's max_position_embeddings ({limit})", wanted)
+        return wanted or limit
 
     def _eos_token_ids(self) -> set[int]:
         """The tokenizer's EOS plus the checkpoint's generation config EOS ids (as HF ``generate`` uses)."""
-        from transformers import GenerationConfig
-
-        from minivllm.models import model_folder
-
         ids = {self.tokenizer.eos_token_id}
         try:
             eos = GenerationConfig.from_pretrained(model_folder(self.config.model)).eos_token_id
@@ -111,28 +161,37 @@ class LLMEngine:
     def _blocks_from_memory(self) -> int:
         """Size the pool from free memory, capped at what ``max_num_seqs`` full-length sequences could use."""
         c = self.config
-        per_block = PagedKVCache.bytes_per_token(self.model) * c.block_size
-        by_memory = int(free_memory_bytes(c.torch_device) * c.kv_cache_memory_fraction) // per_block
+        by_memory = int(free_memory_bytes(c.torch_device) * c.kv_cache_memory_fraction) // self.kv_bytes_per_block
         by_demand = c.max_num_seqs * c.blocks_for(self.max_model_len)
         return max(1, min(by_memory, by_demand))
 
     # -- requests ------------------------------------------------------------------------------
-    def validate_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> list[int]:
-        """Check a request without touching any state; returns its prompt token ids."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+    def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """A prompt in one of vLLM's forms (text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``)."""
+        if isinstance(prompt, dict):
+            check(len(prompt) == 1 and set(prompt) <= {"prompt", "prompt_token_ids"}, "prompt",
+                  'a dict with one key, "prompt" (text) or "prompt_token_ids"', prompt)
+            return self.parse_prompt(prompt.get("prompt", prompt.get("prompt_token_ids")))
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer(prompt)["input_ids"]
+        check(isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt), "prompt",
+              'a string, a list of token ids, {"prompt": str} or {"prompt_token_ids": list}', prompt)
+        return None, list(prompt)
+
+    def validate_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0,
+                         arrival_time: float | None = None) -> tuple[str | None, list[int]]:
+        """Check everything a step will use, without touching any state; returns the prompt's text and ids."""
+        check(isinstance(request_id, str) and request_id != "", "request_id", "a non-empty string", request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if not is_int(priority):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise ValueError("prompt must be a string or a list of token ids")
+        check(isinstance(params, SamplingParams), "params", "a SamplingParams", type(params).__name__)
+        params.clone()  # validates it again: it may have been changed since it was made
+        check(is_int(priority) and -MAX_PRIORITY < priority < MAX_PRIORITY, "priority",
+              "an integer in (-2**63, 2**63)", priority)
+        check(arrival_time is None or is_number(arrival_time), "arrival_time", "None or a finite number of seconds",
+              arrival_time)
+        check(params.top_k <= self.vocab_size, "top_k", f"-1, 0 or an integer in [1, {self.vocab_size}]", params.top_k)
+        text, ids = self.parse_prompt(prompt)
         if not ids:
             raise ValueError("prompt must contain at least one token, got an empty prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -149,92 +208,211 @@ class LLMEngine:
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
             raise ValueError(f"prompt length ({len(ids)}) must be <= max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) when enable_chunked_prefill is False")
-        return ids
+        return text, ids
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> Sequence:
-        """Queue a request (a string or token ids). Bad input raises ValueError before anything changes."""
-        params = params or SamplingParams()
-        ids = self.validate_request(request_id, prompt, params, priority)
-        seq = Sequence(request_id, ids, params, priority, arrival_time,
-                       prompt if isinstance(prompt, str) else None)
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.runner.device).manual_seed(params.seed)
-        self.requests[request_id] = seq
-        self.detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, ids)
-        self.scheduler.add(seq)
-        return seq
+        """Queue a request (see :meth:`parse_prompt`). Bad input raises ValueError before anything changes.
+
+        The engine keeps its own copy of ``params``. Returns the request's
+        first sequence (with ``n > 1``, the others fork from it).
+        """
+        with self.lock:
+            return self._add(request_id, prompt, params, priority, arrival_time)
+
+    def _add(self, request_id, prompt, params, priority=0, arrival_time=None, inbox=None) -> Sequence:
+        params = SamplingParams() if params is None else params
+        text, ids = self.validate_request(request_id, prompt, params, priority, arrival_time)
+        params = params.clone()
+        seqs = [Sequence(request_id, ids, params.for_sample(i), priority, arrival_time, text, index=i)
+                for i in range(params.n)]
+        for seq in seqs:
+            if seq.params.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
+            seq.metrics.arrival_time = seqs[0].metrics.arrival_time
+        seqs[0].forks = seqs[1:]
+        texts = [OutputText(self.tokenizer, ids, params.stop, params.include_stop_str_in_output) for _ in seqs]
+        self.requests[request_id] = Request(request_id, text, ids, seqs, texts, inbox)
+        self.scheduler.add(seqs[0])
+        return seqs[0]
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request in any state and free every block it holds (unknown ids are ignored)."""
-        seq = self.requests.pop(request_id, None)
-        if seq is None:
-            return
-        self.scheduler.abort(seq)
-        self.detokenizers.pop(request_id, None)
+        """Stop a request in any state and free every block it holds (unknown ids are ignored).
+
+        A request owned by an ``LLM`` call gets a last output, finish reason "abort".
+        """
+        with self.lock:
+            request = self.requests.get(request_id)
+            if request is None:
+                return
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)
+            if request.inbox is not None:
+                request.inbox.append(self._request_output(request, {}))
+            del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Whether a request is still running or an output still waits for :meth:`step`."""
+        with self.lock:
+            return bool(self.requests or self._held)
 
     # -- the loop ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample; a RequestOutput for every request that got a token."""
+        """Schedule, run one forward, sample; a RequestOutput for every request that got a token.
+
+        Requests owned by an ``LLM`` call are not reported here: their outputs
+        go to that call.
+        """
+        with self.lock:
+            held, self._held = self._held, []
+            return held + self._step()
+
+    def _step(self) -> list[RequestOutput]:
+        """One step; outputs of requests with an inbox go there, the others are returned."""
+        outputs = []
+        for out in self._run_step():
+            request = self.requests[out.request_id]
+            (outputs if request.inbox is None else request.inbox).append(out)
+            if out.finished:
+                del self.requests[out.request_id]
+        return outputs
+
+    def _run_step(self) -> list:
         clock = PhaseClock(self.runner.device, sync=self.sync_phase_timing)
         out = self.scheduler.schedule()
         clock.mark("schedule")
-        self.runner.kv_cache.swap(out.swap_out, to_cpu=True)  # out first: swap-ins may reuse those blocks
-        self.runner.kv_cache.swap(out.swap_in, to_cpu=False)
+        try:
+            self.runner.copy_blocks(out)
+        except BaseException:  # interrupted: the copies may be half done, so their KV cannot be trusted
+            self.scheduler.discard_copies(out)
+            raise
         clock.mark("swap")
-        sampled = self.runner.run(out.chunks, clock)
-        produced = self.scheduler.update(out, sampled)
+        result, failed = self._run_isolated(out, clock)
+        produced = self.scheduler.update(out, result.token_ids, result.logprobs)
         clock.mark("update")
-        outputs = [self._output(seq) for seq in produced]
+        outputs = self._outputs(produced + failed)
         clock.mark("detokenize")
         self.num_steps += 1
         self.last_schedule = out
         self.last_step_phases = clock.phases
         return outputs
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        detok = self.detokenizers[seq.request_id]
-        new = seq.output_token_ids[-1:]
-        delta = detok.add(new)
+    def _run_isolated(self, out: SchedulerOutput, clock) -> tuple[SamplerOutput, list[Sequence]]:
+        """Run the step's chunks; if that fails, run them one by one and end only the ones that fail."""
+        try:
+            return self.runner.run(out.chunks, clock), []
+        except Exception:
+            pass
+        tokens, logprobs, ok, failed = [], [], [], []
+        for chunk in out.chunks:
+            try:
+                result = self.runner.run([chunk])
+            except Exception as e:
+                failed.extend(self._fail(chunk.seq, e))
+                continue
+            ok.append(chunk)
+            tokens += result.token_ids
+            logprobs += result.logprobs
+        out.chunks = ok
+        return SamplerOutput(tokens, logprobs), failed
+
+    def _fail(self, seq: Sequence, error: Exception) -> list[Sequence]:
+        """End ``seq`` (and any sample still to fork from it) with an error; the rest of the batch goes on."""
+        ended = [seq, *seq.forks]
+        seq.forks = []
+        for s in ended:
+            s.error = f"{type(error).__name__}: {error}"
+            self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
+        self.num_failed_requests += 1
+        return ended
+
+    def _outputs(self, produced: list[Sequence]) -> list[RequestOutput]:
+        """Detokenize the new tokens, apply stop strings, one RequestOutput per request that changed."""
+        changed: dict[str, list[Sequence]] = {}
+        for seq in produced:
+            changed.setdefault(seq.request_id, []).append(seq)
+        outputs = []
+        for request_id, seqs in changed.items():
+            request = self.requests[request_id]
+            try:
+                new = {seq.index: self._add_text(request, seq) for seq in seqs}
+            except Exception as e:  # a bad token for the tokenizer: this request alone fails
+                for seq in request.seqs:
+                    if not seq.is_finished:
+                        self._fail(seq, e)
+                new = {seq.index: [] for seq in request.seqs}
+            outputs.append(self._request_output(request, new))
+        return outputs
+
+    def _add_text(self, request: Request, seq: Sequence) -> list[int]:
+        """Feed a sample's new token to its text; a stop string ends the sample. Returns the new token ids."""
+        text = request.texts[seq.index]
+        new = seq.output_token_ids[-1:] if seq.status is not SequenceStatus.FINISHED_ERROR else []
+        stop = text.add(new) if new else None
+        if stop is not None and not seq.is_finished:
+            seq.stop_reason = stop
+            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+        elif stop is not None:
+            seq.stop_reason = stop
         if seq.is_finished:
-            full = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            if full.startswith(detok.text):  # flush a character still waiting for its last byte
-                delta += full[len(detok.text):]
-                detok.text = full
-            del self.requests[seq.request_id], self.detokenizers[seq.request_id]
-        completion = CompletionOutput(0, detok.text, list(seq.output_token_ids), delta, list(new),
-                                      seq.status.finish_reason)
-        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion],
-                             seq.is_finished, seq.metrics)
+            text.finish(seq.output_token_ids)
+        return new
+
+    def _request_output(self, request: Request, new: dict[int, list[int]]) -> RequestOutput:
+        completions = []
+        for seq, text in zip(request.seqs, request.texts):
+            delta_ids = new.get(seq.index, [])
+            delta = text.delta(seq.is_finished) if seq.index in new else ""
+            logprobs = self._decoded_logprobs(seq) if seq.params.logprobs is not None else None
+            completions.append(CompletionOutput(seq.index, text.full_text, list(seq.output_token_ids), delta,
+                                                list(delta_ids), seq.status.finish_reason, seq.stop_reason, logprobs))
+        error = next((s.error for s in request.seqs if s.error), None)
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions,
+                             request.finished, request.seqs[0].metrics, error)
+
+    def _decoded_logprobs(self, seq: Sequence) -> list[dict]:
+        """The sample's logprobs, with each candidate's text filled in once."""
+        for i, step in enumerate(seq.output_logprobs):
+            if any(lp.decoded_token is None for lp in step.values()):
+                seq.output_logprobs[i] = {t: replace(lp, decoded_token=self.tokenizer.decode([t]))
+                                          for t, lp in step.items()}
+        return list(seq.output_logprobs)
 
     def stats(self) -> EngineStats:
-        running = self.scheduler.running
-        bm = self.block_manager
-        return EngineStats(
-            num_running=sum(s.status == SequenceStatus.RUNNING for s in running),
-            num_prefilling=sum(s.status == SequenceStatus.PREFILLING for s in running),
-            num_waiting=len(self.scheduler.waiting),
-            num_swapped=len(self.scheduler.swapped),
-            num_free_blocks=bm.num_free_blocks,
-            num_total_blocks=bm.num_blocks,
-            prefix_cache_hit_rate=bm.prefix_hit_rate,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
-            num_swapped_bytes=self.scheduler.num_swapped_bytes,
-            num_free_cpu_blocks=len(bm.free_cpu_blocks),
-            num_total_cpu_blocks=bm.num_cpu_blocks,
-        )
+        with self.lock:
+            running = self.scheduler.running
+            bm = self.block_manager
+            return EngineStats(
+                num_running=sum(s.status == SequenceStatus.RUNNING for s in running),
+                num_prefilling=sum(s.status == SequenceStatus.PREFILLING for s in running),
+                num_waiting=len(self.scheduler.waiting),
+                num_swapped=len(self.scheduler.swapped),
+                num_free_blocks=bm.num_free_blocks,
+                num_total_blocks=bm.num_blocks,
+                prefix_cache_hit_rate=bm.prefix_hit_rate,
+                num_preemptions=self.scheduler.num_preemptions,
+                num_recomputed_tokens=self.scheduler.num_recomputed_tokens,
+                num_swapped_bytes=self.scheduler.num_swapped_bytes,
+                num_free_cpu_blocks=len(bm.free_cpu_blocks),
+                num_total_cpu_blocks=bm.num_cpu_blocks,
+                prefix_cache_queries=bm.prefix_queried_tokens,
+                prefix_cache_hits=bm.prefix_hit_tokens,
+                num_failed_requests=self.num_failed_requests,
+            )
 
     def check_invariants(self) -> None:
         """Block-pool invariants over every live sequence (tests call this after each step)."""
-        self.block_manager.check_invariants(self.scheduler.sequences)
+        with self.lock:
+            self.block_manager.check_invariants(self.scheduler.sequences)
 
 
 class LLM:
-    """Offline front door: ``LLM("smollm2-135m", block_size=16, ...)`` takes any EngineConfig field."""
+    """Offline front door: ``LLM("smollm2-135m", block_size=16, ...)`` takes any EngineConfig field.
+
+    Safe to share between threads: calls are serialised step by step on the
+    engine's lock, and each call gets exactly its own requests' outputs.
+    """
 
     def __init__(self, model: str = "smollm2-135m", **kwargs):
         unknown = set(kwargs) - EngineConfig.field_names()
@@ -242,50 +420,96 @@ class LLM:
             raise ValueError(f"unknown engine options {sorted(unknown)}; allowed: {sorted(EngineConfig.field_names())}")
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
+        self._inboxes: dict[str, deque] = {}  # outputs of this LLM's requests, until its calls take them
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def _requests(self, prompts, sampling_params):
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and is_int(prompts[0])):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params must be one SamplingParams or one per prompt ({len(prompts)}), got {len(params)}")
-        ids = [f"gen-{next(self._ids)}" for _ in prompts]
-        for rid, prompt, p in zip(ids, prompts, params):  # validate everything before queueing anything
-            self.engine.validate_request(rid, prompt, p)
-        return ids, prompts, params
+    @staticmethod
+    def _prompt_list(prompts) -> list:
+        """vLLM's prompt forms: one prompt (text, token ids or a dict), or a list of them."""
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        check(isinstance(prompts, (list, tuple)) and len(prompts) > 0, "prompts",
+              "a prompt or a non-empty list of prompts (str, token ids, or a prompt dict)", prompts)
+        if all(is_int(t) for t in prompts):
+            return [list(prompts)]
+        return list(prompts)
+
+    def _add(self, prompts, sampling_params) -> list[str]:
+        """Queue every prompt with an inbox for its outputs; all or nothing (a refused prompt queues none)."""
+        prompts = self._prompt_list(prompts)
+        if isinstance(sampling_params, (list, tuple)):
+            params = list(sampling_params)
+        else:
+            params = [SamplingParams() if sampling_params is None else sampling_params] * len(prompts)
+        check(len(params) == len(prompts), "sampling_params", f"one SamplingParams or one per prompt ({len(prompts)})",
+              f"{len(params)} of them")
+        ids = []
+        with self.engine.lock:  # no step runs in between, so a refusal leaves nothing behind
+            try:
+                for prompt, p in zip(prompts, params):
+                    ids.append(f"gen-{next(self._ids)}")
+                    self._inboxes[ids[-1]] = deque()
+                    self.engine._add(ids[-1], prompt, p, inbox=self._inboxes[ids[-1]])
+            except BaseException:
+                self._abort(ids)
+                raise
+        return ids
+
+    def _abort(self, ids: list[str]) -> None:
+        """Abort the requests still running and drop their inboxes."""
+        with self.engine.lock:
+            for rid in ids:
+                self.engine.abort_request(rid)
+                self._inboxes.pop(rid, None)
+
+    def _next_outputs(self, rid: str) -> list[RequestOutput]:
+        """``rid``'s outputs so far, running one engine step first if there are none yet."""
+        engine = self.engine
+        with engine.lock:
+            inbox = self._inboxes[rid]
+            if not inbox:
+                engine._held.extend(engine._step())
+            outputs = list(inbox)
+            inbox.clear()
+            return outputs
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts (strings or token-id lists) to completion; outputs in the prompts' order."""
-        from tqdm.auto import tqdm
+        """Run prompts to completion; outputs in the prompts' order.
 
-        ids, prompts, params = self._requests(prompts, sampling_params)
-        for rid, prompt, p in zip(ids, prompts, params):
-            self.engine.add_request(rid, prompt, p)
+        A prompt is a string, a list of token ids, ``{"prompt": ...}`` or
+        ``{"prompt_token_ids": ...}``; ``prompts`` is one prompt or a list of
+        them. Interrupted (Ctrl-C), it aborts its unfinished requests and frees
+        their blocks.
+        """
+        ids = self._add(prompts, sampling_params)
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
-            while len(done) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in ids:
-                        done[out.request_id] = out
-                        bar.update(1)
-        return [done[i] for i in ids]
+        try:
+            with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+                while len(done) < len(ids):
+                    for rid in ids:
+                        for out in self._next_outputs(rid) if rid not in done else ():
+                            if out.finished:
+                                done[rid] = out
+                                bar.update(1)
+        finally:
+            self._abort(ids)
+        return [done[rid] for rid in ids]
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield the text of one prompt's completion as it is produced."""
-        ids, prompts, params = self._requests(prompt, sampling_params)
-        if len(ids) != 1:
-            raise ValueError(f"stream takes one prompt, got {len(ids)}")
-        rid, prompt, params = ids[0], prompts[0], params[0]
-        self.engine.add_request(rid, prompt, params)
+        """Yield the text of one prompt's completion as it is produced (sample 0 when ``n > 1``).
+
+        Closing the generator early aborts the request.
+        """
+        (rid,) = self._add([prompt], sampling_params)
         try:
-            while rid in self.engine.requests:
-                for out in self.engine.step():
-                    if out.request_id == rid and out.outputs[0].delta_text:
+            finished = False
+            while not finished:
+                for out in self._next_outputs(rid):
+                    finished = out.finished
+                    if out.outputs[0].delta_text:
                         yield out.outputs[0].delta_text
         finally:
-            self.engine.abort_request(rid)
+            self._abort([rid])

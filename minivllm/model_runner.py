@@ -1,83 +1,87 @@
-"""From a scheduled batch to sampled tokens: one forward per engine step (chapter 06, the model runner).
+"""From a scheduled step to sampled tokens: one forward per engine step (chapter 06, the model runner).
 
-The scheduler hands over ``(sequence, start, num_tokens)`` chunks: prefill
-chunks, whole prompts and single decode tokens alike. The runner flattens
-them into one token batch (input ids, positions, slot mapping, block tables,
-context lengths), runs the model once, computes logits only for the chunks
-that end at their sequence's last token, and samples those.
+The scheduler hands over a :class:`~minivllm.scheduler.SchedulerOutput`: block
+copies to make first (a fork's copy on write, swaps to and from the CPU
+pool), then ``(sequence, start, num_tokens)`` chunks: prefill chunks, whole
+prompts and single decode tokens alike. The runner makes the copies, flattens
+the chunks into one token batch (input ids, positions and the step's
+attention metadata: slot mapping, block tables, masks), runs the model once,
+computes logits only for the chunks that end at their sequence's last token,
+and samples those (a chunk that forks ``n`` samples gets ``n`` draws).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from minivllm.attention import PagedBatch, PagedKVCache
-from minivllm.sampler import sample
+from minivllm.sampler import Sampler, SamplerOutput
+from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
 
 
-@dataclass
-class ScheduledChunk:
-    """``num_tokens`` tokens of ``seq`` starting at position ``start`` (= its cached_token_count)."""
-
-    seq: Sequence
-    start: int
-    num_tokens: int
-    samples: bool = field(init=False)  # only a chunk that reaches the sequence's last token samples
-
-    def __post_init__(self):
-        self.samples = self.end == self.seq.num_tokens
-
-    @property
-    def end(self) -> int:
-        return self.start + self.num_tokens
+def _noop_mark(name: str) -> None:
+    pass
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, seed: int = 0, num_cpu_blocks: int = 0):
+    """Owns the model, the KV pools (``kv_cache_cls``, the attention backend) and the sampler."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
+                 kv_cache_cls=PagedKVCache, sampler=None):
         self.model = model
         self.device = model.lm_head.weight.device
         self.block_size = block_size
-        self.kv_cache = PagedKVCache.for_model(model, num_blocks, block_size, num_cpu_blocks)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.kv_cache = kv_cache_cls.for_model(model, num_blocks, block_size, num_cpu_blocks)
+        self.sampler = sampler if sampler is not None else Sampler(self.device)
+        self.num_queries_per_kv = model.config.num_attention_heads // model.config.num_key_value_heads
+
+    def execute(self, out: SchedulerOutput, clock=None) -> SamplerOutput:
+        """Run one scheduled step: its block copies, then its forward and sampling."""
+        self.copy_blocks(out)
+        if clock is not None:
+            clock.mark("swap")
+        return self.run(out.chunks, clock)
+
+    def copy_blocks(self, out: SchedulerOutput) -> None:
+        """A fork's copies first, then swap-outs, then swap-ins (they may reuse blocks just swapped out)."""
+        self.kv_cache.copy_blocks(out.copies)
+        self.kv_cache.swap(out.swap_out, to_cpu=True)
+        self.kv_cache.swap(out.swap_in, to_cpu=False)
 
     def prepare(self, chunks: list[ScheduledChunk]):
-        """The flat tensors of one step: input ids, positions, paged-attention indices, rows to sample."""
+        """The flat tensors of one step: input ids, positions, the attention metadata, the rows to sample."""
         ids, positions, logits_rows = [], [], []
         for c in chunks:
             ids.extend(c.seq.token_slice(c.start, c.end))
             positions.extend(range(c.start, c.end))
-            if c.samples:
-                logits_rows.append(len(ids) - 1)
+            logits_rows.extend([len(ids) - 1] * len(c.sample_seqs))
         batch = PagedBatch([c.seq.block_table for c in chunks], [c.end for c in chunks],
-                           [c.num_tokens for c in chunks], self.block_size, self.device)
+                           [c.num_tokens for c in chunks], self.block_size, self.device, self.num_queries_per_kv)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(positions), batch, as_tensor(logits_rows)
 
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk], clock=None) -> list[int]:
-        """One forward over every chunk; returns a sampled token for each chunk that samples, in order.
+    def run(self, chunks: list[ScheduledChunk], clock=None) -> SamplerOutput:
+        """One forward over every chunk; a sampled token for each sequence the chunks sample, in order.
 
-        ``clock`` (a :class:`minivllm.bench.PhaseClock`) gets the phases prepare,
-        forward and sample marked, for chapter 11's breakdown of a step.
+        ``clock`` (a :class:`minivllm.timing.PhaseClock`) gets the phases
+        prepare, forward and sample marked, for chapter 12's breakdown of a step.
         """
-        mark = clock.mark if clock is not None else (lambda name: None)
+        mark = clock.mark if clock is not None else _noop_mark
         if not chunks:
-            return []
+            return SamplerOutput([], [])
         ids, positions, batch, rows = self.prepare(chunks)
-        self.kv_cache.batch = batch
         mark("prepare")
-        hidden = self.model.forward(ids, positions, self.kv_cache)
+        hidden = self.model.forward(ids, positions, self.kv_cache, batch)
         mark("forward")
         if len(rows) == 0:
-            return []
+            return SamplerOutput([], [])
         logits = self.model.compute_logits(hidden[rows])
-        sampling = [c.seq for c in chunks if c.samples]
-        tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling], self.generator)
+        seqs = [s for c in chunks for s in c.sample_seqs]
+        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         mark("sample")
-        return tokens
+        return result
 
     def run_prefill_chunk(self, seq: Sequence, chunk_token_ids: list[int], start_pos: int) -> int | None:
         """Prefill ``chunk_token_ids`` of ``seq`` at positions ``start_pos`` onward (chapter 09).
@@ -91,4 +95,4 @@ class ModelRunner:
         if seq.token_slice(chunk.start, chunk.end) != list(chunk_token_ids):
             raise ValueError("chunk_token_ids must be the sequence's tokens at [start_pos, start_pos + len)")
         out = self.run([chunk])
-        return out[0] if out else None
+        return out.token_ids[0] if out.token_ids else None

@@ -2,14 +2,36 @@
 
 Greedy rows take the argmax. The others are scaled by temperature, filtered
 by top-k and top-p, and drawn with the request's own generator when it has a
-seed, so its tokens do not depend on what else is in the batch.
+seed, so its tokens do not depend on what else is in the batch. Rows that ask
+for ``logprobs`` also get the log-probabilities of the sampled token and of
+the most likely ones, under the model's own distribution (before temperature
+and filters, as vLLM reports them by default).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from minivllm.sampling_params import SamplingParams
+
+__all__ = ["Logprob", "SamplerOutput", "Sampler", "apply_top_k_top_p", "sample", "top_logprobs"]
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's record of one candidate token: its log-probability and its rank (1 = most likely)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # per row, when asked for
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -42,3 +64,34 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             g = generators[i] or default_generator
             out[i] = torch.multinomial(probs[j], 1, generator=g)[0]
     return out.tolist()
+
+
+def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> dict[int, Logprob]:
+    """The sampled token's log-probability and rank, and the ``k`` most likely tokens' (one row of logits)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs[token_id]
+    result = {token_id: Logprob(float(chosen), int((logprobs > chosen).sum()) + 1)}
+    if k:
+        values, ids = logprobs.topk(k)
+        for rank, (value, tid) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            result.setdefault(tid, Logprob(value, rank))
+    return result
+
+
+class Sampler:
+    """The engine's sampler (an extension point: ``EngineConfig(sampler=...)``).
+
+    ``Sampler(device, seed)`` owns the generator of requests without a seed;
+    calling it with a step's logits rows, their params and their generators
+    returns the tokens (and the logprobs asked for).
+    """
+
+    def __init__(self, device, seed: int = 0):
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> SamplerOutput:
+        tokens = sample(logits, params, generators, self.generator)
+        logprobs = [None if p.logprobs is None else top_logprobs(logits[i], tokens[i], p.logprobs)
+                    for i, p in enumerate(params)]
+        return SamplerOutput(tokens, logprobs)

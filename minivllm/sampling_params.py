@@ -1,48 +1,95 @@
-"""How each request wants its tokens chosen (chapter 07, sampling and streaming)."""
+"""How each request wants its tokens chosen and when it stops (chapter 07, sampling and streaming)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from minivllm.config import is_int, is_number
+from minivllm.config import check, is_int, is_number
+
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature samples greedily
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_N = 128
+MAX_SEED = 2**63 - 1
+MAX_TOKEN_ID = 2**31 - 1
 
 
 @dataclass
 class SamplingParams:
-    """vLLM's names. ``temperature == 0`` is greedy; ``top_k == -1`` and ``top_p == 1`` switch those filters off.
+    """vLLM's names and meanings, validated on creation.
 
-    A request with a ``seed`` gets its own random generator, so it samples the
-    same tokens whatever else shares its batch.
+    ``temperature`` below ``1e-5`` (0 included) is greedy, as in vLLM: dividing
+    float32 logits by a smaller one overflows. ``top_k`` of 0 or -1 and
+    ``top_p == 1`` switch those filters off. ``n`` samples share the prompt's
+    KV blocks. A ``seed`` gives the request its own random generator (sample
+    ``i`` uses ``seed + i``), so its tokens do not depend on what else shares
+    the batch. ``stop`` strings end the text before them (unless
+    ``include_stop_str_in_output``); ``stop_token_ids`` and EOS (unless
+    ``ignore_eos``) end it at a token. ``logprobs`` asks for that many most
+    likely tokens' log-probabilities (under the model's own distribution) at
+    every step, beside the sampled token's.
+
+    The engine keeps its own copy (:meth:`clone`) of the params it accepts, so
+    changing this object afterwards changes nothing already queued.
     """
 
+    n: int = 1
     temperature: float = 1.0
-    top_k: int = -1
     top_p: float = 1.0
-    max_tokens: int = 16
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    top_k: int = -1
     seed: int | None = None
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self):
-        t = self.temperature
-        if not (is_number(t) and t >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
-        if not (is_int(self.top_k) and (self.top_k == -1 or self.top_k >= 1)):
-            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
-        p = self.top_p
-        if not (is_number(p) and 0 < p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
-        if not (is_int(self.max_tokens) and self.max_tokens >= 1):
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.stop_token_ids is not None:
-            if not all(is_int(i) and i >= 0 for i in self.stop_token_ids):
-                raise ValueError(f"stop_token_ids must be a list of token ids >= 0, got {self.stop_token_ids!r}")
-            self.stop_token_ids = list(self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be None or an integer, got {self.seed!r}")
+        check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
+        check(is_number(self.temperature) and self.temperature >= 0, "temperature", "a finite number >= 0",
+              self.temperature)
+        check(is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
+        check(is_int(self.top_k) and -1 <= self.top_k <= MAX_TOKEN_ID, "top_k",
+              "-1 or 0 (off) or an integer >= 1", self.top_k)
+        check(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED), "seed",
+              "None or an integer in [0, 2**63 - 1]", self.seed)
+        check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
+        self.stop = _string_list(self.stop)
+        self.stop_token_ids = _token_id_list(self.stop_token_ids)
+        check(isinstance(self.include_stop_str_in_output, bool), "include_stop_str_in_output", "True or False",
+              self.include_stop_str_in_output)
+        check(isinstance(self.ignore_eos, bool), "ignore_eos", "True or False", self.ignore_eos)
+        check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+              f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
+
+    def clone(self) -> SamplingParams:
+        """A validated copy that shares no list with this one (the engine keeps one per request)."""
+        return dataclasses.replace(self)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params of sample ``index`` of ``n``: one sample each, seeds ``seed + index``."""
+        seed = None if self.seed is None else (self.seed + index) % (MAX_SEED + 1)
+        return dataclasses.replace(self, n=1, seed=seed)
+
+
+def _string_list(value) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    check(isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value), "stop",
+          "None, a non-empty string or a list of non-empty strings", value)
+    return list(value)
+
+
+def _token_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    check(isinstance(value, (list, tuple)) and all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in value),
+          "stop_token_ids", "None or a list of token ids >= 0", value)
+    return list(value)

@@ -1,57 +1,170 @@
-"""Continuous batching: which tokens of which requests run in the next step (chapters 06, 09, 10).
+"""Continuous batching: which tokens of which requests run in the next step (chapters 06, 09 and 10).
 
-Each step fills a token budget (``max_num_batched_tokens``) under a sequence
-budget (``max_num_seqs``) and the free KV blocks, in this order:
+The rule, once. Every sequence has ``num_tokens`` (prompt plus generated) and
+``cached_token_count`` (tokens whose KV is written); a step lets the second
+catch up with the first under three budgets: tokens
+(``max_num_batched_tokens``), sequences (``max_num_seqs``) and free KV
+blocks. Running sequences go first, decodes (one token each) before prefills
+(their next chunk), each kind best rank first (priority, then arrival); then
+swapped-out sequences come back; then waiting ones are admitted in queue
+order while everything still fits. With chunked prefill a chunk is at most
+``max_prefill_chunk_size`` tokens and the budget left. Without it a new
+prompt runs whole or waits; only a sequence that could never run whole (one
+preempted by recompute, whose prompt plus output exceeds the budget) and one
+already running are cut to the budget.
 
-1. running decodes, one token each (the decode reservation: streams never stall);
-2. PREFILLING sequences, the next chunk of their prompt;
-3. WAITING sequences, admitted in order while everything still fits.
+When a running sequence needs a block and none is free, it preempts the
+lowest-ranked running sequence that ranks below it, sparing those resumed
+within ``preemption_protection_steps`` steps while another is left (the guard
+against thrashing), or itself if none ranks below it. "recompute" drops the
+victim's blocks and puts it back at the front of the queue; "swap" copies them
+to the CPU pool (or recomputes if that is full).
 
-With chunked prefill a prompt is split into chunks of at most
-``max_prefill_chunk_size`` tokens and the budget left; without it, a prompt
-runs whole or waits. Swapped-out sequences come back (step 2.5) before any
-WAITING one is admitted.
+Liveness. Call the best-ranked running sequence the head. (1) Nobody preempts
+the head: victims rank below the sequence that needs the block. (2) The head
+never preempts itself: everything else running ranks below it and goes first,
+and a sequence alone always fits the pool (requests are validated against
+it); protection is only a preference among victims. (3) The head computes at
+least one token every step: it is first of its kind, decodes beside it take at
+most ``max_num_seqs - 1 < max_num_batched_tokens`` tokens, and a running
+sequence is cut to the budget, never made to wait. (4) When nothing runs, the
+first swapped or waiting sequence is admitted: every block is free and an
+idle engine ignores the watermark. So each step computes a token of the head,
+or of a newly admitted sequence, and only sequences ranked below the head
+lose computed tokens: listed by rank, the computed-token counts grow
+lexicographically every step and are bounded, so every request finishes.
 
-When a running sequence needs a block and none is free, the lowest-priority,
-latest-arrived running sequence is preempted (chapter 10): "recompute" frees
-its blocks and puts it back at the front of the queue; "swap" copies its
-blocks to the CPU pool (recompute if that is full). A sequence just resumed is
-protected for ``preemption_protection_steps`` steps, so two requests cannot
-evict each other on every step (thrashing). Pure Python: no tensors here; the
-swap copies to make are listed in the ``SchedulerOutput`` for the engine.
+Pure Python: no tensors here; the block copies to make (a fork's copy on
+write, swaps) are listed in the ``SchedulerOutput`` for the model runner.
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
-from minivllm.model_runner import ScheduledChunk
 from minivllm.sequence import Sequence, SequenceStatus
+
+__all__ = ["ScheduledChunk", "SchedulerOutput", "FCFSQueue", "PriorityQueue", "Scheduler"]
 
 S = SequenceStatus
 
 
 @dataclass
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` starting at position ``start`` (= its cached_token_count)."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    samples: bool = field(init=False)  # only a chunk that reaches the sequence's last token samples
+    sample_seqs: list[Sequence] = field(init=False)  # who gets a token from its logits: seq, and forks at birth
+
+    def __post_init__(self):
+        self.samples = self.end == self.seq.num_tokens
+        self.sample_seqs = [self.seq, *self.seq.forks] if self.samples else []
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+@dataclass
 class SchedulerOutput:
+    """One step's plan: the chunks to run, and the block copies to make before them."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block), copied first
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block), copied next
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) device blocks, first
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block), next
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block), last
+    copied_into: list[Sequence] = field(default_factory=list)  # sequences whose KV these copies write
+    num_batched_tokens: int = 0
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    def add(self, chunk: ScheduledChunk) -> None:
+        self.chunks.append(chunk)
+        self.num_batched_tokens += chunk.num_tokens
 
-    @property
-    def is_empty(self) -> bool:
-        return not self.chunks
+    def drop(self, seq: Sequence) -> None:
+        """Unschedule ``seq`` (it was preempted after getting its chunk)."""
+        for chunk in self.chunks:
+            if chunk.seq is seq:
+                self.chunks.remove(chunk)
+                self.num_batched_tokens -= chunk.num_tokens
+                return
+
+
+class FCFSQueue:
+    """Waiting sequences in arrival order; a preempted one goes back to the front."""
+
+    def __init__(self):
+        self._items: deque[Sequence] = deque()
+
+    def push(self, seq: Sequence, step: int, front: bool = False) -> None:
+        seq.enqueued_step = step
+        self._items.appendleft(seq) if front else self._items.append(seq)
+
+    def peek(self) -> Sequence:
+        return self._items[0]
+
+    def pop(self) -> Sequence:
+        return self._items.popleft()
+
+    def remove(self, seq: Sequence) -> None:
+        self._items.remove(seq)
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class PriorityQueue:
+    """Waiting sequences by effective priority, lower first, then arrival (chapter 10).
+
+    A sequence's effective priority is ``priority - aging_rate x steps
+    waited``. Aging lowers every waiting sequence by the same amount each step,
+    so the order is fixed when a sequence joins, by ``priority + aging_rate x
+    (step it joined)``: a heap keeps it, in O(log n) per push and pop.
+    """
+
+    def __init__(self, aging_rate: float = 0.0):
+        self.aging_rate = aging_rate
+        self._heap: list[tuple] = []
+
+    def push(self, seq: Sequence, step: int, front: bool = False) -> None:
+        seq.enqueued_step = step  # a preempted sequence starts aging again
+        key = seq.priority + self.aging_rate * step
+        heapq.heappush(self._heap, (key, seq.metrics.arrival_time, seq.seq_id, seq))
+
+    def effective_priority(self, seq: Sequence, step: int) -> float:
+        return seq.priority - self.aging_rate * (step - seq.enqueued_step)
+
+    def peek(self) -> Sequence:
+        return self._heap[0][-1]
+
+    def pop(self) -> Sequence:
+        return heapq.heappop(self._heap)[-1]
+
+    def remove(self, seq: Sequence) -> None:
+        self._heap = [entry for entry in self._heap if entry[-1] is not seq]
+        heapq.heapify(self._heap)
+
+    def __iter__(self):
+        return (entry[-1] for entry in sorted(self._heap))
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
 
 class Scheduler:
+    """Decides every step's chunks (an extension point: ``EngineConfig(scheduler_cls=...)``)."""
+
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
                  eos_token_ids: set[int] = frozenset(), kv_bytes_per_block: int = 0):
         self.config = config
@@ -59,167 +172,182 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
         self.kv_bytes_per_block = kv_bytes_per_block
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = FCFSQueue() if config.scheduling_policy == "fcfs" else PriorityQueue(config.priority_aging_rate)
         self.running: list[Sequence] = []  # RUNNING and PREFILLING, in admission order
         self.swapped: deque[Sequence] = deque()
         self.step_index = 0
         self.num_preemptions = 0
         self.num_recomputed_tokens = 0
         self.num_swapped_bytes = 0
+        self._copies: list[tuple[int, int]] = []  # a fork's copies, made at the start of the next step
+        self._copied_into: list[Sequence] = []
 
     # -- queues --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        seq.enqueued_step = self.step_index
-        self.waiting.append(seq)
+        self.waiting.push(seq, self.step_index)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(len(self.waiting) or self.running or self.swapped)
 
     @property
     def sequences(self) -> list[Sequence]:
         return list(self.running) + list(self.swapped) + list(self.waiting)
 
-    def abort(self, seq: Sequence) -> None:
-        """Remove ``seq`` from whatever state it is in and free every block it holds (device and CPU)."""
-        for queue in (self.running, self.swapped, self.waiting):
-            if seq in queue:
-                queue.remove(seq)
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """End ``seq`` in any state: out of its queue, every block it holds (device and CPU) freed."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
-        seq.status = S.FINISHED_ABORTED
+        seq.status = status
+        seq.metrics.finish_time = time.perf_counter()
+
+    def abort(self, seq: Sequence) -> None:
+        self.finish(seq, S.FINISHED_ABORTED)
 
     # -- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        cfg, bm = self.config, self.block_manager
-        out = SchedulerOutput()
-        budget = cfg.max_num_batched_tokens
-        scheduled: set[int] = set()
-
-        for phase in (S.RUNNING, S.PREFILLING):  # decodes first, then unfinished prefills
-            for seq in [s for s in self.running if s.status == phase]:
-                if seq.status != phase:  # preempted earlier in this loop
-                    continue
-                n = min(seq.num_uncomputed_tokens, budget)
-                if phase == S.PREFILLING:
-                    n = min(n, cfg.max_prefill_chunk_size)
-                if n == 0:
-                    break
-                if not self._allocate_or_preempt(seq, seq.cached_token_count + n, scheduled, out):
-                    continue  # it was preempted itself
-                out.chunks.append(ScheduledChunk(seq, seq.cached_token_count, n))
-                scheduled.add(id(seq))
-                budget -= n
-
-        # Swapped sequences come back first, then new ones; none in a step that had to preempt.
-        while self.swapped and not out.preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self.swapped[0]
-            n = self._chunk_size(seq, budget)
-            if bm.blocks_needed(seq, seq.cached_token_count + n) > bm.num_free_blocks:  # its old blocks too
-                break
-            self.swapped.popleft()
-            pairs = bm.swap_in(seq)
-            out.swap_in.extend(pairs)
-            seq.metrics.num_swapped_bytes += len(pairs) * self.kv_bytes_per_block
-            self.num_swapped_bytes += len(pairs) * self.kv_bytes_per_block
-            bm.allocate(seq, seq.cached_token_count + n)
-            budget -= self._start(seq, n, out, scheduled)
-
-        while self.waiting and not out.preempted and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self._next_waiting()
-            if not seq.block_table:
-                seq.cached_token_count = bm.match_prefix(seq)
-            n = self._chunk_size(seq, budget)
-            new_blocks = bm.blocks_needed(seq, seq.cached_token_count + n)
-            # Admission control keeps headroom for the running requests, so it applies to new requests only
-            # and only while some are running: an idle engine always admits (else a big request waits forever).
-            watermark_ok = (seq.metrics.first_scheduled_time is not None or not self.running
-                            or bm.num_free_blocks - new_blocks >= cfg.admission_watermark * bm.num_blocks)
-            if n > budget or not watermark_ok or not bm.allocate(seq, seq.cached_token_count + n):
-                bm.free(seq)  # give back the prefix-cache hits; try again next step
-                seq.cached_token_count = 0
-                break
-            self.waiting.remove(seq)
-            bm.record_prefix_lookup(seq, seq.cached_token_count)
-            if seq.metrics.first_scheduled_time is None:
-                seq.metrics.first_scheduled_time = time.perf_counter()
-                seq.metrics.num_cached_tokens = seq.cached_token_count
-            budget -= self._start(seq, n, out, scheduled)
-
-        for c in out.chunks:  # a prefill whose chunk reaches the end will sample: it is RUNNING
-            if c.end == c.seq.num_tokens:
-                c.seq.status = S.RUNNING
+        out = SchedulerOutput(copies=self._copies, copied_into=self._copied_into)
+        self._copies, self._copied_into = [], []
+        self._schedule_running(out)
+        if not out.preempted:  # memory is short in a step that had to preempt: admit nothing
+            self._schedule_swapped(out)
+            self._schedule_waiting(out)
         self.step_index += 1
         return out
 
-    def _chunk_size(self, seq: Sequence, budget: int) -> int:
-        """Tokens to feed ``seq`` now: all it lacks, or one chunk when chunked prefill is on."""
-        n = seq.num_uncomputed_tokens
-        if self.config.enable_chunked_prefill:
-            n = min(n, self.config.max_prefill_chunk_size, budget)
-        return n
+    def _schedule_running(self, out: SchedulerOutput) -> None:
+        """Decodes, then running prefills, each best rank first; blocks are made by preempting lower ranks."""
+        for seq in sorted(self.running, key=lambda s: (s.status is not S.RUNNING, s.rank)):
+            if seq not in self.running:  # preempted by a sequence before it in this loop
+                continue
+            n = self._num_new_tokens(seq, seq.cached_token_count, out)
+            if n and self._reserve_blocks(seq, seq.cached_token_count + n, out):
+                out.add(ScheduledChunk(seq, seq.cached_token_count, n))
 
-    def _start(self, seq: Sequence, n: int, out: SchedulerOutput, scheduled: set[int]) -> int:
+    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        """Bring swapped-out sequences back, oldest first, while their blocks and their chunk fit."""
+        while self.swapped and self._has_room(out):
+            seq = self.swapped[0]
+            n = self._num_new_tokens(seq, seq.cached_token_count, out)
+            pairs = self.block_manager.swap_in(seq, seq.cached_token_count + n) if n else None
+            if pairs is None:
+                break
+            self.swapped.popleft()
+            out.swap_in.extend(pairs)
+            out.copied_into.append(seq)
+            self._count_swap(seq, len(pairs))
+            self._start(seq, n, out)
+
+    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+        """Admit waiting sequences in queue order: prefix-cache hits and new blocks claimed in one step."""
+        bm = self.block_manager
+        while len(self.waiting) and self._has_room(out):
+            seq = self.waiting.peek()
+            hits = bm.lookup_prefix(seq)
+            cached = len(hits) * bm.block_size
+            n = self._num_new_tokens(seq, cached, out)
+            is_new = seq.metrics.first_scheduled_time is None
+            # The watermark keeps headroom for running sequences: none running, nothing to keep.
+            if not n or not bm.allocate(seq, cached + n, hits, watermark=is_new and bool(self.running)):
+                break
+            self.waiting.pop()
+            seq.cached_token_count = cached
+            bm.record_prefix_lookup(seq, cached)
+            if is_new:
+                seq.metrics.first_scheduled_time = time.perf_counter()
+                seq.metrics.num_cached_tokens = cached
+            self._start(seq, n, out)
+
+    def _has_room(self, out: SchedulerOutput) -> bool:
+        return out.num_batched_tokens < self.config.max_num_batched_tokens and \
+            len(self.running) < self.config.max_num_seqs
+
+    def _num_new_tokens(self, seq: Sequence, cached: int, out: SchedulerOutput) -> int:
+        """How many of ``seq``'s uncomputed tokens run now (0: it waits)."""
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens - out.num_batched_tokens
+        n = seq.num_tokens - cached
+        if cfg.enable_chunked_prefill:
+            n = min(n, cfg.max_prefill_chunk_size)
+        if n <= budget:
+            return n
+        running = seq.status in (S.RUNNING, S.PREFILLING)
+        return budget if cfg.enable_chunked_prefill or running or n > cfg.max_num_batched_tokens else 0
+
+    def _start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Move a sequence (new, resumed or swapped in) into the running batch with its first chunk."""
         seq.status = S.PREFILLING
         if seq.metrics.num_preemptions:  # just resumed: protect it from being evicted again at once
             seq.protected_until_step = self.step_index + self.config.preemption_protection_steps
         self.running.append(seq)
-        out.chunks.append(ScheduledChunk(seq, seq.cached_token_count, n))
-        scheduled.add(id(seq))
-        return n
+        out.add(ScheduledChunk(seq, seq.cached_token_count, n))
 
-    def effective_priority(self, seq: Sequence) -> float:
-        """Lower runs first; waiting improves it by ``priority_aging_rate`` per step (chapter 10)."""
-        return seq.priority - self.config.priority_aging_rate * (self.step_index - seq.enqueued_step)
-
-    def _next_waiting(self) -> Sequence:
-        if self.config.scheduling_policy == "fcfs":
-            return self.waiting[0]
-        return min(self.waiting, key=lambda s: (self.effective_priority(s), s.metrics.arrival_time))
-
-    def _allocate_or_preempt(self, seq: Sequence, num_tokens: int, scheduled: set[int],
-                             out: SchedulerOutput) -> bool:
-        """Make room for ``seq``'s next chunk, preempting others (or ``seq`` itself) if blocks run out."""
+    # -- preemption (chapter 10) ---------------------------------------------------------------
+    def _reserve_blocks(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Grow ``seq``'s blocks to ``num_tokens``, preempting lower ranks; False if ``seq`` had to yield."""
         while not self.block_manager.allocate(seq, num_tokens):
-            victim = self.choose_victim(seq, scheduled)
-            self.preempt(victim, out)
-            if victim is seq:
+            victim = self.choose_victim(seq)
+            self.preempt(victim or seq, out)
+            if victim is None:
                 return False
         return True
 
-    def choose_victim(self, requester: Sequence, scheduled: set[int]) -> Sequence:
-        """The lowest-priority, latest-arrived running sequence not yet scheduled and not protected."""
-        candidates = [s for s in self.running if id(s) not in scheduled
-                      and (s is requester or s.protected_until_step <= self.step_index)]
-        return max(candidates, key=lambda s: (s.priority, s.metrics.arrival_time))
+    def choose_victim(self, requester: Sequence) -> Sequence | None:
+        """The lowest-ranked running sequence below ``requester``, unprotected ones first; None if none is below."""
+        below = [s for s in self.running if s.rank > requester.rank]
+        unprotected = [s for s in below if s.protected_until_step <= self.step_index]
+        return max(unprotected or below, key=lambda s: s.rank, default=None)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Release ``seq``'s device blocks: swap them to the CPU pool, or drop them to recompute later."""
-        bm, m = self.block_manager, seq.metrics
+        bm = self.block_manager
+        out.drop(seq)
         self.running.remove(seq)
-        m.num_preemptions += 1
+        seq.metrics.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(seq)
         if self.config.preemption_mode == "swap" and bm.can_swap_out(seq):
             pairs = bm.swap_out(seq)
             out.swap_out.extend(pairs)
-            m.num_swapped_bytes += len(pairs) * self.kv_bytes_per_block
-            self.num_swapped_bytes += len(pairs) * self.kv_bytes_per_block
+            self._count_swap(seq, len(pairs))
             seq.status = S.SWAPPED
             self.swapped.append(seq)
-            return
-        bm.free(seq)
-        m.num_recomputed_tokens += seq.cached_token_count
-        self.num_recomputed_tokens += seq.cached_token_count
+        else:
+            seq.metrics.num_recomputed_tokens += seq.cached_token_count
+            self.num_recomputed_tokens += seq.cached_token_count
+            self._recompute_later(seq)
+
+    def _recompute_later(self, seq: Sequence) -> None:
+        """Forget ``seq``'s KV (device and CPU blocks) and queue it, first, to compute everything again."""
+        self.block_manager.free(seq)
         seq.cached_token_count = 0
         seq.status = S.WAITING
-        seq.enqueued_step = self.step_index
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq, self.step_index, front=True)
+
+    def _count_swap(self, seq: Sequence, num_blocks: int) -> None:
+        seq.metrics.num_swapped_bytes += num_blocks * self.kv_bytes_per_block
+        self.num_swapped_bytes += num_blocks * self.kv_bytes_per_block
+
+    def discard_copies(self, out: SchedulerOutput) -> None:
+        """After a step was interrupted before its block copies completed: recompute whatever they held."""
+        for seq in out.copied_into + [s for s in out.preempted if s.status is S.SWAPPED]:
+            if seq.status in (S.RUNNING, S.PREFILLING):
+                self.running.remove(seq)
+            elif seq.status is S.SWAPPED:
+                self.swapped.remove(seq)
+            else:
+                continue
+            self._recompute_later(seq)
 
     # -- after the forward ---------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
+    def update(self, out: SchedulerOutput, token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
         """Record what the step computed and sampled; returns the sequences that got a token."""
         now = time.perf_counter()
-        tokens = iter(sampled)
+        samples = iter(zip(token_ids, logprobs or [None] * len(token_ids)))
         produced = []
         for c in out.chunks:
             seq = c.seq
@@ -228,24 +356,49 @@ class Scheduler:
             self.block_manager.register_computed_blocks(seq)
             if not c.samples:
                 continue
-            token = next(tokens)
-            seq.output_token_ids.append(token)
-            m = seq.metrics
-            m.num_output_tokens += 1
-            m.token_times.append(now)
-            if m.first_token_time is None:
-                m.first_token_time = now
-            self._check_stop(seq, token)
-            if seq.is_finished:
-                m.finish_time = now
-                self.running.remove(seq)
-                self.block_manager.free(seq)
-            produced.append(seq)
+            seq.status = S.RUNNING
+            for child in c.sample_seqs[1:]:  # before seq may finish and free the blocks they share
+                self._fork(seq, child)
+            seq.forks = []
+            for s in c.sample_seqs:
+                self._append_token(s, *next(samples), now)
+                produced.append(s)
         return produced
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """``child`` (another sample of ``parent``'s request) starts from ``parent``'s prompt blocks."""
+        m, pm = child.metrics, parent.metrics
+        m.first_scheduled_time, m.num_cached_tokens = pm.first_scheduled_time, pm.num_cached_tokens
+        copies = self.block_manager.fork(parent, child) if len(self.running) < self.config.max_num_seqs else None
+        if copies is None:  # no room beside it: it queues, and computes its prompt again
+            child.status = S.WAITING
+            self.waiting.push(child, self.step_index, front=True)
+            return
+        child.status = S.RUNNING
+        self.running.append(child)
+        self._copies.extend(copies)
+        self._copied_into.append(child)
+
+    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> None:
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+        m = seq.metrics
+        m.num_output_tokens += 1
+        m.token_times.append(now)
+        if m.first_token_time is None:
+            m.first_token_time = now
+        status = self._stop_status(seq, token)
+        if status is not None:
+            self.finish(seq, status)
+
+    def _stop_status(self, seq: Sequence, token: int) -> SequenceStatus | None:
         p = seq.params
-        if (token in self.eos_token_ids and not p.ignore_eos) or token in (p.stop_token_ids or ()):
-            seq.status = S.FINISHED_STOPPED
-        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            seq.status = S.FINISHED_LENGTH
+        if token in p.stop_token_ids:
+            seq.stop_reason = token
+            return S.FINISHED_STOPPED
+        if token in self.eos_token_ids and not p.ignore_eos:
+            return S.FINISHED_STOPPED
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return S.FINISHED_LENGTH
+        return None

@@ -2,11 +2,14 @@
 
 ::
 
-    WAITING -> PREFILLING -> RUNNING -> FINISHED_*      (chunked prefill)
-    WAITING ------------------> RUNNING                 (one chunk covers the prompt)
+    WAITING -> PREFILLING -> RUNNING -> FINISHED_*      (a prompt, in one chunk or several)
     RUNNING/PREFILLING -> WAITING                       (preempted: recompute)
-    RUNNING/PREFILLING -> SWAPPED -> RUNNING/PREFILLING (preempted: swap)
-    any state -> FINISHED_ABORTED
+    RUNNING/PREFILLING -> SWAPPED -> PREFILLING         (preempted: swap, then back)
+    any state -> FINISHED_ABORTED                       (aborted)
+    any state -> FINISHED_ERROR                         (this request failed; the others go on)
+
+A request with ``n > 1`` samples runs one sequence through its prompt; at its
+first sample the others (``forks``) are born from it, sharing its blocks.
 
 Token bookkeeping, with ``tokens = prompt + generated``:
 
@@ -19,6 +22,7 @@ Token bookkeeping, with ``tokens = prompt + generated``:
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +37,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -40,7 +45,8 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH": "length", "FINISHED_ABORTED": "abort"}.get(self.name)
+        return {"FINISHED_STOPPED": "stop", "FINISHED_LENGTH": "length", "FINISHED_ABORTED": "abort",
+                "FINISHED_ERROR": "error"}.get(self.name)
 
 
 @dataclass
@@ -69,12 +75,17 @@ class RequestMetrics:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
+_seq_ids = itertools.count()
+
+
 class Sequence:
-    """One request: its tokens, its place in the state machine and its KV blocks."""
+    """One request (or one of its ``n`` samples): its tokens, its place in the state machine and its KV blocks."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0, arrival_time: float | None = None, prompt: str | None = None):
+                 priority: int = 0, arrival_time: float | None = None, prompt: str | None = None, index: int = 0):
         self.request_id = request_id
+        self.seq_id = next(_seq_ids)  # unique, even among the samples of one request
+        self.index = index  # which of the request's n samples
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
@@ -89,6 +100,10 @@ class Sequence:
         self.metrics = RequestMetrics(arrival_time=time.perf_counter() if arrival_time is None else arrival_time,
                                       num_prompt_tokens=len(self.prompt_token_ids))
         self.generator = None  # per-request torch.Generator when params.seed is set
+        self.forks: list[Sequence] = []  # the request's other samples, born at this one's first sample
+        self.output_logprobs: list[dict] = []  # per output token, when params.logprobs is set
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        self.error: str | None = None  # why it finished with FINISHED_ERROR
 
     @property
     def token_ids(self) -> list[int]:
@@ -117,6 +132,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def rank(self) -> tuple:
+        """Who goes first when blocks run short: lower priority value, then earlier arrival (chapter 10)."""
+        return (self.priority, self.metrics.arrival_time, self.seq_id)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         p = self.num_prompt_tokens

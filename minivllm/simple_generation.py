@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.attention import ContiguousKVCache, NoCache
-from minivllm.bench import now
+from minivllm.timing import now
 
 __all__ = ["GenerationResult", "chat_prompt_ids", "generate_naive", "generate_cached", "prefill_chunked"]
 

@@ -40,7 +40,9 @@ def hf_models():
 
 from hypothesis import settings  # noqa: E402
 
-# CI replays the same examples every run; locally hypothesis explores new ones.
-settings.register_profile("ci", derandomize=True, print_blob=True)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+# 120 examples per property; CI replays the same ones every run, locally hypothesis explores new ones.
+# `pytest --hypothesis-profile=long tests/test_engine_property.py` runs 2,000 of each.
+settings.register_profile("dev", max_examples=120)
+settings.register_profile("ci", max_examples=120, derandomize=True, print_blob=True)
+settings.register_profile("long", max_examples=2000, print_blob=True)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")

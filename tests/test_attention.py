@@ -71,9 +71,8 @@ def test_paged_attention_with_many_groups_equals_per_sequence_attention():
     batch = PagedBatch(tables, ctx, qlen, bs, "cpu")
     assert len(batch.groups) > 2
     q = [torch.randn(n, heads, d) for n in qlen]
-    cache.batch = batch
     out = cache.forward(0, torch.cat(q), torch.cat([k[c - n:] for k, c, n in zip(full_k, ctx, qlen)]),
-                        torch.cat([v[c - n:] for v, c, n in zip(full_v, ctx, qlen)]), None)
+                        torch.cat([v[c - n:] for v, c, n in zip(full_v, ctx, qlen)]), None, batch)
     expected = [attend(qi.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                        causal_chunk_mask(c - n, c)).transpose(0, 1)
                 for qi, k, v, c, n in zip(q, full_k, full_v, ctx, qlen)]

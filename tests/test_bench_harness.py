@@ -168,3 +168,13 @@ def test_cli_help_documents_both_commands(capsys):
         main(["bench", "--help"])
     text = capsys.readouterr().out
     assert "--workload" in text and "--json" in text and "offline" in text
+
+
+def test_bench_exports_its_own_names_only_and_still_the_chapter_10_simulator():
+    import minivllm.simulator
+
+    names = {}
+    exec("from minivllm.bench import *", names)
+    assert not {"torch", "dataclass", "field", "time", "annotations", "harness", "experiments"} & set(names)
+    assert names["simulate_schedule"] is minivllm.simulator.simulate_schedule
+    assert names["sim_sequence"] is minivllm.simulator.sim_sequence

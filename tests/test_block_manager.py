@@ -59,7 +59,7 @@ def test_prefix_cache_shares_full_blocks_and_keeps_the_last_token():
     b = seq("b", list(range(10)) + [99])
     assert bm.match_prefix(b) == 8  # two full blocks; the third is partial
     assert b.block_table == a.block_table[:2]
-    assert bm.ref_counts[a.block_table[0]] == 2
+    assert bm.blocks[a.block_table[0]].ref_count == 2
     c = seq("c", range(8))  # fully cached prompt: the last block is recomputed for logits
     assert bm.match_prefix(c) == 4
     bm.check_invariants([a, b, c])
@@ -108,7 +108,7 @@ def test_a_reused_parent_cuts_the_chain():
     _computed(bm, a)
     parent, child = a.block_table[:2]
     bm.free(a)
-    assert bm.cached[child].parent == (parent, bm.generation[parent])
+    assert bm.blocks[child].parent == (parent, bm.blocks[parent].generation)
     bm.evictable.move_to_end(child)  # the parent becomes the least recently used
     x = seq("x", [9, 9, 0])
     _computed(bm, x)

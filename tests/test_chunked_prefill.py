@@ -38,7 +38,7 @@ def test_run_prefill_chunk_is_the_batched_path():
     engine = llm.engine
     prompt = [11, 22, 33, 44, 55, 66, 77]
     seq = engine.add_request("r", prompt, greedy(1))
-    engine.scheduler.waiting.clear()  # drive the runner by hand
+    engine.scheduler.waiting.remove(seq)  # drive the runner by hand
     engine.block_manager.allocate(seq, len(prompt))
     results = []
     for a, b in [(0, 3), (3, 6), (6, 7)]:
@@ -83,7 +83,7 @@ def test_prefix_cache_metrics_and_aborting_a_prefilling_request():
     e = llm.engine
     e.add_request("a", list(range(1, 30)), greedy(2))
     e.step()
-    assert e.requests["a"].status.name == "PREFILLING" and e.requests["a"].metrics.num_prefilled_tokens == 4
+    assert e.requests["a"].seqs[0].status.name == "PREFILLING" and e.requests["a"].seqs[0].metrics.num_prefilled_tokens == 4
     e.abort_request("a")
     e.check_invariants()
     assert e.block_manager.num_free_blocks == 64

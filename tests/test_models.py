@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from minivllm import load_model
 from minivllm.attention import ContiguousKVCache
 
 PROMPTS = [
@@ -14,35 +15,34 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-@pytest.mark.parametrize("which", ["smollm2", "tiny"])
-def test_logits_match_transformers(which, packed, request, hf_models):
+@pytest.mark.parametrize("which", ["smollm2-135m", "tiny-random"])
+def test_logits_match_transformers(which, packed, hf_models):
     """Within 2e-4 on logits that reach |30|: float32 rounding (about 1e-5 relative), whichever matmul runs."""
-    model, tok = request.getfixturevalue(which)
-    hf = hf_models({"smollm2": "smollm2-135m", "tiny": "tiny-random"}[which])
-    was_packed = model.lm_head.packed is not None
-    try:
-        if model.pack_weights(packed) != packed:
-            pytest.skip("oneDNN weight packing is not available here")
-        for prompt in PROMPTS:
-            ids = tok(prompt)["input_ids"]
-            ours = model.logits(ids)
-            with torch.no_grad():
-                theirs = hf(torch.tensor([ids])).logits[0]
-            assert ours.shape == theirs.shape
-            assert (ours - theirs).abs().max().item() < 2e-4, prompt
-    finally:
-        model.pack_weights(was_packed)
+    model, tok = load_model(which, "cpu", pack_weights=packed)
+    if (model.lm_head.packed is not None) != packed:
+        pytest.skip("oneDNN weight packing is not available here")
+    hf = hf_models(which)
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        ours = model.logits(ids)
+        with torch.no_grad():
+            theirs = hf(torch.tensor([ids])).logits[0]
+        assert ours.shape == theirs.shape
+        assert (ours - theirs).abs().max().item() < 2e-4, prompt
 
 
-def test_packed_weights_keep_the_checkpoint(smollm2):
-    """Packing adds a oneDNN copy for the matmul; the parameters (and the tied embedding) stay as loaded."""
-    model, _ = smollm2
-    q = model.model.layers[0].self_attn.q_proj
-    before = q.weight.clone()
-    model.pack_weights(True)
-    assert torch.equal(q.weight, before) and model.lm_head.weight is model.model.embed_tokens.weight
+def test_packed_and_plain_models_share_the_checkpoint():
+    """Packing adds a oneDNN copy for the matmul; both models hold the very same parameter tensors."""
+    packed, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
+    plain, _ = load_model("smollm2-135m", "cpu", pack_weights=False)
+    assert plain.lm_head.packed is None and packed is not plain
+    for (name, a), (_, b) in zip(packed.named_parameters(), plain.named_parameters()):
+        assert a.data_ptr() == b.data_ptr(), name
+    assert packed.lm_head.weight is packed.model.embed_tokens.weight  # tied embeddings
+    q = packed.model.layers[0].self_attn.q_proj
     x = torch.randn(5, q.in_features)
     assert torch.allclose(q(x), torch.nn.functional.linear(x, q.weight), atol=1e-4)
+    assert load_model("smollm2-135m", "cpu", pack_weights=True)[0] is packed  # cached per option
 
 
 def test_smollm2_architecture(smollm2):
@@ -61,10 +61,11 @@ def test_tiny_random_is_seeded(tiny, tmp_path, monkeypatch):
     smollm2 = loader.smollm2_folder()  # reuse its tokenizer; do not convert it again
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     (tmp_path / "smollm2-135m").symlink_to(smollm2)
-    again, _ = loader._load("tiny-random", "cpu", torch.float32)
+    _, again, _ = loader._read_checkpoint("tiny-random", "cpu", torch.float32)
     assert (tmp_path / "tiny-random" / "model.safetensors").exists()
-    for (n, a), (_, b) in zip(tiny[0].state_dict().items(), again.state_dict().items()):
-        assert torch.equal(a, b), n
+    assert set(again) == set(tiny[0].state_dict())
+    for name, tensor in tiny[0].state_dict().items():
+        assert torch.equal(tensor, again[name]), name
 
 
 def test_positions_offset_matches_cached_forward(tiny):
@@ -81,8 +82,6 @@ def test_positions_offset_matches_cached_forward(tiny):
 
 def test_unknown_architecture_is_refused(tmp_path):
     import json
-
-    from minivllm import load_model
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type"):

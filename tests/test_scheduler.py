@@ -1,16 +1,12 @@
 """The scheduling policy, driven with a fake model runner (no tensors)."""
 
-from minivllm.block_manager import BlockManager
-from minivllm.config import EngineConfig
-from minivllm.scheduler import Scheduler
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceStatus as S
+from minivllm.simulator import make_scheduler
 
 
 def make(num_blocks=64, block_size=4, **kw):
-    cfg = EngineConfig(model="tiny-random", block_size=block_size, num_blocks=num_blocks, **kw)
-    bm = BlockManager(num_blocks, block_size, cfg.enable_prefix_caching, cfg.num_cpu_blocks or 0)
-    return Scheduler(cfg, bm, max_model_len=100_000, eos_token_ids={0})
+    return make_scheduler(num_blocks, block_size, max_model_len=100_000, eos_token_ids={0}, **kw)
 
 
 def seq(rid, n, max_tokens=4, start=1, priority=0, arrival=None):
@@ -113,7 +109,7 @@ def test_preemption_picks_lowest_priority_latest_arrival_and_recomputes():
     assert [s.request_id for s in out.preempted] == ["new"]
     assert new.status == S.WAITING and new.block_table == [] and new.cached_token_count == 0
     assert new.metrics.num_preemptions == 1 and new.metrics.num_recomputed_tokens == 4
-    assert sched.waiting[0] is new
+    assert sched.waiting.peek() is new
     while sched.has_unfinished():
         step(sched)
     assert all(len(s.output_token_ids) == 8 for s in (old, new, vip))

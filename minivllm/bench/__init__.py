@@ -1,14 +1,25 @@
 """Benchmarks: workloads, serving metrics, timing, baselines and the experiments of each chapter (chapter 11).
 
-``minivllm.bench`` re-exports everything, so chapters write
-``from minivllm.bench import replay, percentile``.
+``minivllm.bench`` re-exports every module's ``__all__``, so chapters write
+``from minivllm.bench import replay, percentile``. ``python -m minivllm.bench
+[interference|shared-prefix|preemption]`` runs a chapter's experiment.
 """
 
-from minivllm.bench.timing import *  # noqa: F401,F403
-from minivllm.bench.metrics import *  # noqa: F401,F403
-from minivllm.bench.workloads import *  # noqa: F401,F403
+from minivllm.bench import (baselines, harness, interference, metrics, preemption, shared_prefix, throughput, timing,
+                            trace, workloads)
 from minivllm.bench.baselines import *  # noqa: F401,F403
-from minivllm.bench.trace import *  # noqa: F401,F403
+from minivllm.bench.cli import SUBCOMMANDS, main
 from minivllm.bench.harness import *  # noqa: F401,F403
-from minivllm.bench.experiments import *  # noqa: F401,F403
-from minivllm.bench.experiments import SUBCOMMANDS, main  # noqa: F401
+from minivllm.bench.interference import *  # noqa: F401,F403
+from minivllm.bench.metrics import *  # noqa: F401,F403
+from minivllm.bench.preemption import *  # noqa: F401,F403
+from minivllm.bench.shared_prefix import *  # noqa: F401,F403
+from minivllm.bench.throughput import *  # noqa: F401,F403
+from minivllm.bench.timing import *  # noqa: F401,F403
+from minivllm.bench.trace import *  # noqa: F401,F403
+from minivllm.bench.workloads import *  # noqa: F401,F403
+from minivllm.simulator import SimTrace, sim_sequence, simulate_schedule  # chapter 10's simulator, from its old home
+
+__all__ = [name for module in (timing, metrics, workloads, baselines, trace, harness, throughput, interference,
+                               shared_prefix, preemption) for name in module.__all__]
+__all__ += ["SimTrace", "sim_sequence", "simulate_schedule", "SUBCOMMANDS", "main"]

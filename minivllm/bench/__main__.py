@@ -1,3 +1,3 @@
-from minivllm.bench.experiments import main
+from minivllm.bench.cli import main
 
 raise SystemExit(main())

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import copy
+import logging
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from minivllm.attention import attend, causal_chunk_mask
+from minivllm.config import cdiv
+
+__all__ = ["PaddedBatchKVCache", "StaticBatchOutput", "static_batch_generate", "hf_generate_one_at_a_time",
+           "hf_generate_static_batches", "first_difference", "hf_generate_batch"]
 
 
 class PaddedBatchKVCache:
@@ -29,9 +38,7 @@ class PaddedBatchKVCache:
         self.max_len = max_len
         self.length = 0  # columns written
 
-    def forward(self, layer: int, q, k, v, positions):
-        from minivllm.attention import attend, causal_chunk_mask
-
+    def forward(self, layer: int, q, k, v, positions, batch=None):
         B = self.batch_size
         L = q.shape[0] // B
         a, b = self.length, self.length + L
@@ -122,8 +129,6 @@ def static_batch_generate(model, prompts_ids: list[list[int]], max_tokens_list: 
 
 def _hf_generation_config(hf_model, max_new_tokens: int):
     """Greedy, exactly ``max_new_tokens`` tokens: EOS switched off, as minivllm's ``ignore_eos``."""
-    import copy
-
     gc = copy.deepcopy(hf_model.generation_config)
     # eos_token_id=None would fall back to the model's EOS; an empty list means "no EOS". (min_new_tokens
     # would not do: it masks EOS out, changing the argmax wherever EOS is the greedy choice.)
@@ -186,16 +191,13 @@ def hf_generate_batch(hf_model, prompts_ids: list[list[int]], max_tokens_list: l
     Returns the token ids in input order, and with ``timestamps`` also each
     token's ``time.perf_counter()``.
     """
-    import logging
-    import math
-
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig  # optional and heavy: HF baselines only
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     page = options.setdefault("page_size", 64)
     options.setdefault("max_batch_tokens", 512)
     options.setdefault("allow_block_sharing", False)
-    need = sum(math.ceil((len(p) + m) / page) + 1 for p, m in zip(prompts_ids, max_tokens_list))
+    need = sum(cdiv(len(p) + m, page) + 1 for p, m in zip(prompts_ids, max_tokens_list))
     options.setdefault("num_blocks", math.ceil(need / 0.8))  # its scheduler keeps 15% of the blocks free
     config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens_list), eos_token_id=-1)
     manager = hf_model.init_continuous_batching(config, ContinuousBatchingConfig(**options))

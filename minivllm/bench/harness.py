@@ -16,12 +16,18 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from tqdm.auto import tqdm
 
-from minivllm.bench.baselines import static_batch_generate
+from minivllm import LLM
+from minivllm.bench.baselines import _hf_generation_config, hf_generate_batch, static_batch_generate
 from minivllm.bench.metrics import RequestTimes, ServingMetrics, serving_metrics
-from minivllm.bench.timing import Timer, now
 from minivllm.bench.trace import StepRecord, replay, warm_up
-from minivllm.bench.workloads import Workload, random_workload, _exactly
+from minivllm.bench.workloads import Workload, _exactly, random_workload
+from minivllm.config import cdiv
+from minivllm.models import load_model
+from minivllm.models.llama import Linear
+from minivllm.simple_generation import generate_cached, generate_naive
+from minivllm.timing import Timer, now
 
 __all__ = ["BenchResult", "run_engine", "run_naive", "run_contiguous", "run_static", "run_hf_generate",
            "run_hf_generate_batch", "LADDER", "run_ladder", "MachineLimits", "measure_machine", "roofline",
@@ -68,15 +74,11 @@ def run_engine(workload: Workload, model: str = "smollm2-135m", name: str = "min
     is given, the KV pool holds every request at once (a memory-pressure
     workload gets its squeezed pool instead).
     """
-    from tqdm.auto import tqdm
-
-    from minivllm import LLM
-
     block_size = engine_options.get("block_size", 16)
     engine_options.setdefault("max_num_seqs", max(16, len(workload.arrivals)))
     if "num_blocks" not in engine_options:  # the squeezed pool, or room for every request at once (and the warm-up)
         engine_options["num_blocks"] = (workload.num_blocks(block_size) if workload.pool_fraction is not None
-                                        else workload.kv_blocks_needed(block_size) + -(-64 // block_size))
+                                        else workload.kv_blocks_needed(block_size) + cdiv(64, block_size))
     llm = LLM(model, **engine_options)
     warm_up(llm)
     engine = llm.engine
@@ -123,15 +125,11 @@ def _one_at_a_time(name, generate, model, workload: Workload) -> BenchResult:
 
 def run_naive(model, workload: Workload) -> BenchResult:
     """Chapter 01's loop without a KV cache: every token recomputes the whole sequence, one request at a time."""
-    from minivllm.simple_generation import generate_naive
-
     return _one_at_a_time("naive (no KV cache)", generate_naive, model, workload)
 
 
 def run_contiguous(model, workload: Workload) -> BenchResult:
     """Chapter 01's contiguous KV cache, one request at a time."""
-    from minivllm.simple_generation import generate_cached
-
     return _one_at_a_time("contiguous KV cache, one at a time", generate_cached, model, workload)
 
 
@@ -158,9 +156,7 @@ class _TokenClock:
 
 def run_hf_generate(hf_model, workload: Workload, batch_size: int = 1) -> BenchResult:
     """HF transformers ``generate``: one request at a time (``batch_size=1``) or static left-padded batches."""
-    from transformers import StoppingCriteriaList
-
-    from minivllm.bench.baselines import _hf_generation_config
+    from transformers import StoppingCriteriaList  # optional and heavy: only the HF baseline needs it
 
     _offline_only(workload, "HF generate")
     device = hf_model.device
@@ -191,8 +187,6 @@ def run_hf_generate(hf_model, workload: Workload, batch_size: int = 1) -> BenchR
 
 def run_hf_generate_batch(hf_model, workload: Workload) -> BenchResult:
     """HF transformers continuous batching, ``generate_batch`` (paged attention), on the same requests."""
-    from minivllm.bench.baselines import hf_generate_batch
-
     _offline_only(workload, "HF generate_batch")
     device = hf_model.device
     hf_generate_batch(hf_model, [workload.prompts[0][:8]], [2])  # warm-up
@@ -210,8 +204,6 @@ LADDER = ["naive (no KV cache)", "contiguous KV cache, one at a time", "static b
 def run_ladder(workload: Workload, model: str = "smollm2-135m", device=None, batch_size: int = 8,
                rungs=None, **engine_options) -> list[BenchResult]:
     """``workload`` through every rung of :data:`LADDER` (or the named ``rungs``), in order, same model."""
-    from minivllm.models import load_model
-
     rungs = LADDER if rungs is None else rungs
     unknown = set(rungs) - set(LADDER)
     if unknown:
@@ -271,8 +263,6 @@ class MachineLimits:
 
 
 def _linears(model):
-    from minivllm.models.llama import Linear
-
     return [m for m in model.model.layers.modules() if isinstance(m, Linear)]
 
 

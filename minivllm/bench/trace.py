@@ -5,8 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from minivllm.bench.timing import now
 from minivllm.bench.workloads import Arrival, _exactly, random_workload
+from minivllm.timing import now
+
+__all__ = ["StepRecord", "ServingTrace", "warm_up", "replay"]
 
 
 @dataclass
@@ -90,8 +92,13 @@ class ServingTrace:
 
 
 def warm_up(llm, seed: int = 12345) -> None:
-    """One short untimed request whose tokens share no block with any workload (first forwards pay set-up costs)."""
-    (prompt,), _ = random_workload(llm.get_tokenizer(), 1, (40, 40), (1, 1), seed)
+    """One short untimed request whose tokens share no block with any workload (first forwards pay set-up costs).
+
+    40 prompt tokens, fewer when the KV pool is squeezed smaller than that (chapter 10's preemption runs).
+    """
+    engine = llm.engine
+    room = engine.stats().num_total_blocks * engine.config.block_size - 2
+    (prompt,), _ = random_workload(llm.get_tokenizer(), 1, (max(1, min(40, room)),) * 2, (1, 1), seed)
     llm.generate([prompt], _exactly(2), use_tqdm=False)
 
 

@@ -2,7 +2,61 @@
 
 from __future__ import annotations
 
+import inspect
+import random
 from dataclasses import dataclass
+
+from minivllm.config import cdiv, is_int, is_number
+from minivllm.sampling_params import SamplingParams
+
+__all__ = ["random_workload", "Arrival", "interference_arrivals", "shared_prefix_arrivals", "squeezed_arrivals",
+           "Workload", "poisson_times", "WORKLOADS", "make_workload", "check_workload_sizes"]
+
+
+# -- Sizes are checked before anything is drawn: a clear ValueError naming the field and its range -------------
+
+def _count(low: int):
+    def check(field: str, value) -> None:
+        if not (is_int(value) and value >= low):
+            raise ValueError(f"{field} must be an integer >= {low}, got {value!r}")
+    return check
+
+
+def _length_range(field: str, value) -> None:
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and all(is_int(v) for v in value)
+            and 1 <= value[0] <= value[1]):
+        raise ValueError(f"{field} must be a (min, max) pair of integers with 1 <= min <= max, got {value!r}")
+
+
+def _positive(field: str, value) -> None:
+    if not (is_number(value) and value > 0):
+        raise ValueError(f"{field} must be > 0 and finite, got {value!r}")
+
+
+def _fraction(field: str, value) -> None:
+    if not (is_number(value) and 0 < value <= 1):
+        raise ValueError(f"{field} must be in (0, 1], got {value!r}")
+
+
+def _integer(field: str, value) -> None:
+    if not is_int(value):
+        raise ValueError(f"{field} must be an integer, got {value!r}")
+
+
+_SIZE_RULES = {  # every size any workload builder takes -> its check
+    **dict.fromkeys(("num_requests", "num_streams", "prefix_len", "stream_prompt_len", "stream_tokens",
+                     "long_prompt_len", "long_tokens", "output_tokens"), _count(1)),
+    **dict.fromkeys(("num_long", "arrive_at_step"), _count(0)),
+    **dict.fromkeys(("prompt_len", "output_len", "suffix_len"), _length_range),
+    **dict.fromkeys(("rate", "long_every"), _positive),
+    "pool_fraction": _fraction,
+    "seed": _integer,
+}
+
+
+def _check(**sizes) -> None:
+    for field, value in sizes.items():
+        _SIZE_RULES[field](field, value)
 
 
 def random_workload(tokenizer, num_requests: int = 32, prompt_len: tuple[int, int] = (16, 256),
@@ -13,8 +67,8 @@ def random_workload(tokenizer, num_requests: int = 32, prompt_len: tuple[int, in
     markers) never appear in a prompt. Random ids, as vLLM's own throughput
     benchmark uses: the cost of a forward does not depend on what the tokens say.
     """
-    import random
-
+    _check(prompt_len=prompt_len, output_len=output_len, seed=seed)
+    _count(0)("num_requests", num_requests)
     rng = random.Random(seed)
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
     low = max(special, default=-1) + 1
@@ -44,8 +98,6 @@ class Arrival:
 
 
 def _exactly(n: int):
-    from minivllm.sampling_params import SamplingParams
-
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
@@ -57,6 +109,8 @@ def interference_arrivals(tokenizer, num_streams: int = 8, stream_prompt_len: in
     The streams (``stream-0`` ...) all arrive at step 0; ``long`` arrives at
     step ``arrive_at_step``, while they are decoding. Greedy, ``ignore_eos``.
     """
+    _check(num_streams=num_streams, stream_prompt_len=stream_prompt_len, stream_tokens=stream_tokens,
+           long_prompt_len=long_prompt_len, long_tokens=long_tokens, arrive_at_step=arrive_at_step, seed=seed)
     prompts, _ = random_workload(tokenizer, num_streams, (stream_prompt_len, stream_prompt_len), (1, 1), seed)
     (long_prompt,), _ = random_workload(tokenizer, 1, (long_prompt_len, long_prompt_len), (1, 1), seed + 1)
     arrivals = [Arrival(f"stream-{i}", p, _exactly(stream_tokens)) for i, p in enumerate(prompts)]
@@ -71,6 +125,8 @@ def shared_prefix_arrivals(tokenizer, num_requests: int = 16, prefix_len: int = 
     arrives once the previous one has its first token, as a chat user would: by
     then the prefix's KV is computed and, with prefix caching, can be reused.
     """
+    _check(num_requests=num_requests, prefix_len=prefix_len, suffix_len=suffix_len, output_tokens=output_tokens,
+           seed=seed)
     (system,), _ = random_workload(tokenizer, 1, (prefix_len, prefix_len), (1, 1), seed)
     suffixes, _ = random_workload(tokenizer, num_requests, tuple(suffix_len), (1, 1), seed + 1)
     return [Arrival(f"req-{i}", system + s, _exactly(output_tokens),
@@ -80,12 +136,13 @@ def shared_prefix_arrivals(tokenizer, num_requests: int = 16, prefix_len: int = 
 def squeezed_arrivals(tokenizer, num_requests: int = 8, prompt_len=(24, 48), output_tokens: int = 32,
                       seed: int = 0) -> list[Arrival]:
     """``num_requests`` requests that all arrive at step 0, greedy, exactly ``output_tokens`` tokens each (chapter 10)."""
+    _check(num_requests=num_requests, prompt_len=prompt_len, output_tokens=output_tokens, seed=seed)
     prompts, _ = random_workload(tokenizer, num_requests, tuple(prompt_len), (1, 1), seed)
     return [Arrival(f"r{i}", p, _exactly(output_tokens)) for i, p in enumerate(prompts)]
 
 
 def _blocks_for(arrivals: list[Arrival], block_size: int) -> int:
-    return sum(-(-(len(a.prompt) + a.params.max_tokens) // block_size) for a in arrivals)
+    return sum(cdiv(len(a.prompt) + a.params.max_tokens, block_size) for a in arrivals)
 
 
 # -- Named workloads for the harness (chapter 11) ------------------------------------------------------
@@ -123,16 +180,15 @@ class Workload:
         """The squeezed pool of a memory-pressure workload (never below its longest request), else None."""
         if self.pool_fraction is None:
             return None
-        longest = max(-(-(len(a.prompt) + a.params.max_tokens) // block_size) for a in self.arrivals)
+        longest = max(cdiv(len(a.prompt) + a.params.max_tokens, block_size) for a in self.arrivals)
         return max(int(self.kv_blocks_needed(block_size) * self.pool_fraction), longest)
 
 
 def poisson_times(num_requests: int, rate: float, seed: int = 0) -> list[float]:
     """Send times of a Poisson process with ``rate`` requests per second: exponential gaps, first at 0."""
-    import random
-
-    if rate <= 0:
-        raise ValueError(f"rate must be > 0 requests per second, got {rate}")
+    _count(0)("num_requests", num_requests)
+    _positive("rate", rate)
+    _integer("seed", seed)
     rng = random.Random(seed)
     times, t = [], 0.0
     for _ in range(num_requests):
@@ -190,12 +246,26 @@ WORKLOADS = {"offline": _offline, "online": _online, "shared-prefix": _shared_pr
              "interference": _interference, "memory-pressure": _memory_pressure}
 
 
-def make_workload(name: str, tokenizer, seed: int = 0, **sizes) -> Workload:
-    """The workload ``name`` (one of :data:`WORKLOADS`), drawn with ``seed``; ``sizes`` override its defaults.
+def check_workload_sizes(name: str, **sizes) -> None:
+    """Raise ValueError, naming the field and its allowed range, unless :func:`make_workload` would accept these.
 
-    Defaults are the issue's CPU sizes (offline: 32 requests, prompts 16-256,
-    64 output tokens); chapters pass smaller ones on a CPU and larger on a GPU.
+    Needs no tokenizer, so a command line can check its flags before loading anything.
     """
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}")
+    takes = [p for p in inspect.signature(WORKLOADS[name]).parameters if p != "tokenizer"]
+    for field in sizes:
+        if field not in takes:
+            raise ValueError(f"workload {name!r} has no size {field!r}; its sizes are {', '.join(takes)}")
+    _check(**sizes)
+
+
+def make_workload(name: str, tokenizer, seed: int = 0, **sizes) -> Workload:
+    """The workload ``name`` (one of :data:`WORKLOADS`), drawn with ``seed``; ``sizes`` override its defaults.
+
+    Defaults are chapter 11's CPU sizes (offline: 32 requests, prompts 16-256,
+    64 output tokens); chapters pass smaller ones on a CPU and larger on a GPU.
+    Bad sizes raise ValueError before anything is drawn.
+    """
+    check_workload_sizes(name, seed=seed, **sizes)
     return WORKLOADS[name](tokenizer, seed=seed, **sizes)

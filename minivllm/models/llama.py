@@ -12,8 +12,10 @@ and values live is the job of the ``kv`` object handed to :meth:`forward`
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
+
+from minivllm.attention import NoCache
 
 
 class Linear(nn.Linear):
@@ -80,7 +82,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, positions, kv):
+    def forward(self, x, cos, sin, positions, kv, batch):
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
@@ -90,7 +92,7 @@ class Attention(nn.Module):
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = kv.forward(self.layer_idx, q, k, v, positions)
+        out = kv.forward(self.layer_idx, q, k, v, positions, batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -114,8 +116,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, kv):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv)
+    def forward(self, x, cos, sin, positions, kv, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -173,17 +175,18 @@ class LlamaForCausalLM(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.rope_scale).to(dtype), (emb.sin() * self.rope_scale).to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, batch=None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` for flat tokens ``input_ids[T]`` at ``positions[T]``.
 
         ``kv`` stores this forward's keys and values and says what each query
-        may attend to (:class:`minivllm.attention.NoCache`,
-        :class:`~minivllm.attention.ContiguousKVCache`, or the paged cache).
+        may attend to (a :class:`minivllm.attention.KVCache`: no cache, one
+        contiguous cache, or the paged pools); ``batch`` is the step's
+        attention metadata for the paged cache (a ``PagedBatch``).
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, cos, sin, positions, kv)
+            x = layer(x, cos, sin, positions, kv, batch)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -191,11 +194,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     @torch.inference_mode()
-    def logits(self, input_ids, positions=None, kv=None) -> torch.Tensor:
+    def logits(self, input_ids, positions=None, kv=None, batch=None) -> torch.Tensor:
         """Logits for every token: the convenience form used by tests and chapters."""
-        from minivllm.attention import NoCache
-
         input_ids = torch.as_tensor(input_ids, device=self.lm_head.weight.device)
         if positions is None:
             positions = torch.arange(len(input_ids), device=input_ids.device)
-        return self.compute_logits(self.forward(input_ids, positions, kv or NoCache()))
+        return self.compute_logits(self.forward(input_ids, positions, kv or NoCache(), batch))

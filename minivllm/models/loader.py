@@ -24,7 +24,10 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoTokenizer
 
+from minivllm.config import default_device
 from minivllm.models.llama import LlamaForCausalLM, rope_inv_freq
 
 SMOLLM2 = "smollm2-135m"
@@ -68,14 +71,12 @@ def smollm2_folder() -> Path:
     """The cached fp32 safetensors folder of SmolLM2-135M-Instruct, converted on first use."""
 
     def build(out: Path):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM  # only for this one-time conversion
 
         src = gguf_path()
         tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
         hf = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
         # transformers will not save a model loaded from GGUF, so write the folder by hand.
-        from safetensors.torch import save_file
-
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if hf.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
@@ -93,7 +94,7 @@ def tiny_random_folder() -> Path:
     """A seeded random two-layer Llama (SmolLM2's tokenizer and vocabulary) for fast tests."""
 
     def build(out: Path):
-        from transformers import AutoTokenizer, LlamaConfig
+        from transformers import LlamaConfig  # only to build the tiny checkpoint once
         from transformers import LlamaForCausalLM as HFLlama
 
         tok = AutoTokenizer.from_pretrained(smollm2_folder())
@@ -119,56 +120,67 @@ def model_folder(name: str = SMOLLM2) -> Path:
         return tiny_random_folder()
     if Path(name).is_dir():
         return Path(name)
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # only for hub repo ids
 
     return Path(snapshot_download(name, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
 
 
 def load_tokenizer(name: str = SMOLLM2):
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(model_folder(name))
 
 
-_loaded: dict[tuple, tuple] = {}
+_checkpoints: dict[tuple, tuple] = {}  # (name, device, dtype) -> (config, weights, tokenizer), read once
+_models: dict[tuple, tuple] = {}  # (name, device, dtype, pack_weights) -> (model, tokenizer)
 
 
-def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32):
+def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weights: bool = True):
     """Load ``(model, tokenizer)``: minivllm's own forward with the checkpoint's weights.
 
-    Loaded models are kept per (name, device, dtype), so a notebook that builds
-    several engines reads the weights once. Inference never changes them.
+    ``pack_weights`` prepacks the linear weights for oneDNN where that works
+    (a float32 CPU model; chapter 12), without changing what the model computes
+    beyond float32 rounding. Models are kept per (name, device, dtype,
+    pack_weights), and the packed and plain models of one checkpoint share its
+    weight tensors, so a notebook that builds several engines reads the
+    weights once. Inference never changes them.
     """
-    from minivllm.config import default_device
-
     key = (name, str(torch.device(device or default_device())), dtype)
-    if key not in _loaded:
-        _loaded[key] = _load(name, key[1], dtype)
-    return _loaded[key]
+    if key not in _checkpoints:
+        _checkpoints[key] = _read_checkpoint(name, key[1], dtype)
+    if key + (pack_weights,) not in _models:
+        config, weights, tokenizer = _checkpoints[key]
+        _models[key + (pack_weights,)] = (_build(config, weights, pack_weights), tokenizer)
+    return _models[key + (pack_weights,)]
 
 
-def _load(name, device, dtype):
-    from transformers import AutoConfig
-    from safetensors.torch import load_file
-
+def _read_checkpoint(name, device, dtype):
+    """The config, the weights on ``device`` in ``dtype``, and the tokenizer."""
     folder = model_folder(name)
     config = AutoConfig.from_pretrained(folder)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
     state = {}
     for f in sorted(glob.glob(str(folder / "*.safetensors"))):
         state.update(load_file(f))
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    expected = set(_build(config, {}, False).state_dict())
     tied = getattr(config, "tie_word_embeddings", False)
-    if unexpected or set(missing) - ({"lm_head.weight"} if tied else set()):
-        raise ValueError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
-    if tied:
+    missing, unexpected = expected - set(state), set(state) - expected
+    if unexpected or missing - ({"lm_head.weight"} if tied else set()):
+        raise ValueError(f"checkpoint does not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if not (tied and k == "lm_head.weight")}
+    return config, weights, load_tokenizer(name)
+
+
+def _build(config, weights: dict, pack_weights: bool) -> LlamaForCausalLM:
+    """The model over ``weights`` (shared, not copied), packed if asked; on the "meta" device without weights."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    if not weights:
+        return model
+    model.load_state_dict(weights, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
-    inv_freq, _ = rope_inv_freq(config, model.head_dim)  # buffers built on "meta" hold no values
-    model.inv_freq = inv_freq
-    model = model.to(device=device, dtype=dtype).eval()
-    model.inv_freq = inv_freq.to(model.lm_head.weight.device)  # RoPE frequencies stay fp32
-    model.pack_weights(os.environ.get("MINIVLLM_PACK_WEIGHTS", "1") != "0")
-    return model, load_tokenizer(name)
+    device = model.lm_head.weight.device
+    model.inv_freq = rope_inv_freq(config, model.head_dim)[0].to(device)  # buffers built on "meta" hold no values
+    model.eval()
+    model.pack_weights(pack_weights)
+    return model

@@ -1,0 +1,222 @@
+"""Command lines refuse bad input before any work: a usage error naming the flag and its range, exit code 2.
+
+Covers ``python -m minivllm generate|bench`` and ``python -m minivllm.bench [interference|shared-prefix|
+preemption]`` (chapters 07-11), and the same checks one level down, in :func:`minivllm.bench.make_workload`.
+"""
+
+import importlib
+import math
+
+import pytest
+
+import minivllm
+import minivllm.models
+from minivllm.__main__ import main
+from minivllm.bench import (interference_arrivals, main as bench_main, make_workload, poisson_times, random_workload,
+                            shared_prefix_arrivals, squeezed_arrivals)
+from minivllm.models import load_tokenizer
+
+FRONT_ENDS = ("minivllm.__main__", "minivllm.bench.cli", "minivllm.bench.throughput", "minivllm.bench.interference",
+              "minivllm.bench.shared_prefix", "minivllm.bench.preemption", "minivllm.bench.harness")
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Fail the test if a command line loads a model (or builds an engine) before refusing its input."""
+    def loaded(*args, **kwargs):
+        raise AssertionError("a model was loaded before the command line was checked")
+
+    targets = [minivllm, minivllm.models]
+    for name in FRONT_ENDS:
+        try:
+            targets.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    for module in targets:
+        for attr in ("LLM", "load_model"):
+            if hasattr(module, attr):
+                monkeypatch.setattr(module, attr, loaded)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("tiny-random")
+
+
+def refused(run, argv, capsys) -> str:
+    """Run a command line that must be refused by argparse; return its error message."""
+    with pytest.raises(SystemExit) as e:
+        run(argv)
+    assert e.value.code == 2, f"exit code {e.value.code} for {argv}"
+    err = capsys.readouterr().err
+    assert "usage:" in err and "error:" in err
+    return err.split("error:", 1)[1]
+
+
+BENCH = ["bench", "--workload", "offline", "--model", "tiny-random"]
+ONLINE = ["bench", "--workload", "online", "--model", "tiny-random"]
+
+MAIN_CASES = [  # (argv, the flag the message names, words of the allowed range)
+    (ONLINE + ["--rate", "nan"], "--rate", "> 0"),  # used to hang: Poisson gaps of nan seconds
+    (ONLINE + ["--rate", "inf"], "--rate", "> 0"),
+    (ONLINE + ["--rate", "0"], "--rate", "> 0"),
+    (ONLINE + ["--rate", "-2"], "--rate", "> 0"),
+    (ONLINE + ["--rate", "fast"], "--rate", "number"),
+    (BENCH + ["--num-requests", "0"], "--num-requests", ">= 1"),  # used to be a traceback
+    (BENCH + ["--num-requests", "2.5"], "--num-requests", "integer"),
+    (BENCH + ["--block-size", "0"], "--block-size", "[1, 1024]"),  # used to be a traceback
+    (BENCH + ["--block-size", "4096"], "--block-size", "[1, 1024]"),
+    (BENCH + ["--prompt-len", "10", "5"], "--prompt-len", "MIN <= MAX"),  # used to be a traceback
+    (BENCH + ["--prompt-len", "0", "5"], "--prompt-len", ">= 1"),
+    (BENCH + ["--output-len", "8", "2"], "--output-len", "MIN <= MAX"),
+    (BENCH + ["--json", "/nonexistent/dir/out.json"], "--json", "does not exist"),  # used to fail after the run
+    (BENCH + ["--seed", "-1"], "--seed", ">= 0"),
+    (BENCH + ["--hf-batch-size", "0"], "--hf-batch-size", ">= 1"),
+    (BENCH + ["--max-num-seqs", "0"], "--max-num-seqs", ">= 1"),
+    (BENCH + ["--max-num-batched-tokens", "-3"], "--max-num-batched-tokens", ">= 1"),
+    (BENCH + ["--chunked-prefill", "-1"], "--chunked-prefill", ">= 0"),
+    (BENCH + ["--slo-ttft", "nan"], "--slo-ttft", "> 0"),
+    (BENCH + ["--slo-tpot", "-5"], "--slo-tpot", "> 0"),
+    (BENCH + ["--breakdown", "-1"], "--breakdown", ">= 0"),
+    (BENCH + ["--rate", "2"], "--rate", "offline"),  # a size the workload does not have
+    (ONLINE + ["--compare", "static"], "--compare", "offline"),  # used to load the model first
+    (BENCH + ["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens", ">= 8"),
+    (["generate", "Hi", "--model", "tiny-random", "--max-tokens", "0"], "--max-tokens", ">= 1"),
+    (["generate", "Hi", "--model", "tiny-random", "--temperature", "-1"], "--temperature", ">= 0"),
+    (["generate", "Hi", "--model", "tiny-random", "--temperature", "nan"], "--temperature", ">= 0"),
+    (["generate", "Hi", "--model", "tiny-random", "--top-p", "0"], "--top-p", "(0, 1]"),
+    (["generate", "Hi", "--model", "tiny-random", "--top-p", "1.5"], "--top-p", "(0, 1]"),
+    (["generate", "Hi", "--model", "tiny-random", "--top-k", "0"], "--top-k", "-1"),
+    (["generate", "Hi", "--model", "tiny-random", "--seed", "-1"], "--seed", ">= 0"),
+]
+
+
+@pytest.mark.parametrize("argv, flag, allowed", MAIN_CASES, ids=[" ".join(c[0][1:]) for c in MAIN_CASES])
+def test_python_m_minivllm_refuses_bad_flags_before_loading_a_model(argv, flag, allowed, no_model, capsys):
+    message = refused(main, argv, capsys)
+    assert flag in message and allowed in message, message
+
+
+def test_bench_json_into_a_folder_or_an_unwritable_place_is_refused(tmp_path, no_model, capsys):
+    assert "folder" in refused(main, BENCH + ["--json", str(tmp_path)], capsys)
+    missing = tmp_path / "no-such-dir" / "out.json"
+    assert "does not exist" in refused(main, BENCH + ["--json", str(missing)], capsys)
+
+
+def test_bench_refuses_a_prompt_longer_than_the_token_budget_before_loading_the_model(no_model, capsys):
+    message = refused(main, BENCH + ["--prompt-len", "40", "60", "--max-num-seqs", "4",
+                                     "--max-num-batched-tokens", "32"], capsys)
+    assert "--max-num-batched-tokens" in message and "--chunked-prefill" in message
+
+
+EXPERIMENT_CASES = [  # python -m minivllm.bench [sub] ...
+    (["--num-requests", "0"], "--num-requests", ">= 1"),
+    (["--prompt-len", "10", "5"], "--prompt-len", "MIN <= MAX"),
+    (["--output-len", "0", "4"], "--output-len", ">= 1"),
+    (["--repeats", "0"], "--repeats", ">= 1"),
+    (["--block-size", "0"], "--block-size", "[1, 1024]"),
+    (["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "--max-num-batched-tokens", ">= 64"),
+    (["interference", "--chunk-sizes", "64", "-1"], "--chunk-sizes", ">= 0"),
+    (["interference", "--num-streams", "0"], "--num-streams", ">= 1"),
+    (["interference", "--long-prompt-len", "0"], "--long-prompt-len", ">= 1"),
+    (["interference", "--arrive-at-step", "-1"], "--arrive-at-step", ">= 0"),
+    (["interference", "--repeats", "-1"], "--repeats", ">= 1"),
+    (["interference", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens", ">= 9"),
+    (["interference", "--chunk-sizes", "0", "--max-num-batched-tokens", "512"], "--max-num-batched-tokens",
+     "1500"),
+    (["shared-prefix", "--suffix-len", "48", "16"], "--suffix-len", "MIN <= MAX"),
+    (["shared-prefix", "--prefix-len", "0"], "--prefix-len", ">= 1"),
+    (["shared-prefix", "--output-tokens", "0"], "--output-tokens", ">= 1"),
+    (["shared-prefix", "--seed", "-4"], "--seed", ">= 0"),
+    (["preemption", "--pool-fraction", "0"], "--pool-fraction", "(0, 1]"),
+    (["preemption", "--pool-fraction", "nan"], "--pool-fraction", "(0, 1]"),
+    (["preemption", "--watermark", "1"], "--watermark", "[0, 1)"),
+    (["preemption", "--copy-blocks", "0"], "--copy-blocks", ">= 1"),
+    (["preemption", "--block-size", "0"], "--block-size", "[1, 1024]"),
+    (["preemption", "--prompt-len", "48", "24"], "--prompt-len", "MIN <= MAX"),
+]
+
+
+@pytest.mark.parametrize("argv, flag, allowed", EXPERIMENT_CASES, ids=[" ".join(c[0]) for c in EXPERIMENT_CASES])
+def test_python_m_minivllm_bench_refuses_bad_flags_before_loading_a_model(argv, flag, allowed, no_model, capsys):
+    argv = argv[:1] + ["--model", "tiny-random"] + argv[1:] if not argv[0].startswith("-") else ["--model",
+                                                                                                "tiny-random"] + argv
+    message = refused(bench_main, argv, capsys)
+    assert flag in message and allowed in message, message
+
+
+def test_help_still_lists_every_experiment(capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(f"python -m minivllm.bench {name} --help" in text
+               for name in ("interference", "shared-prefix", "preemption"))
+    for name in ("interference", "shared-prefix", "preemption"):
+        with pytest.raises(SystemExit) as e:
+            bench_main([name, "--help"])
+        assert e.value.code == 0 and f"python -m minivllm.bench {name}" in capsys.readouterr().out
+
+
+# -- the same checks in the library: make_workload and the arrival builders --------------------------------
+
+WORKLOAD_CASES = [  # (workload, sizes, words of the ValueError)
+    ("online", dict(rate=math.nan), "rate must be > 0"),
+    ("online", dict(rate=math.inf), "rate must be > 0"),
+    ("online", dict(rate=0.0), "rate must be > 0"),
+    ("shared-prefix", dict(rate=-1.0), "rate must be > 0"),
+    ("offline", dict(num_requests=0), "num_requests must be an integer >= 1"),
+    ("offline", dict(num_requests=2.0), "num_requests must be an integer >= 1"),
+    ("offline", dict(prompt_len=(10, 5)), "prompt_len must be a (min, max) pair"),
+    ("offline", dict(prompt_len=(0, 5)), "prompt_len must be a (min, max) pair"),
+    ("online", dict(output_len=(3,)), "output_len must be a (min, max) pair"),
+    ("shared-prefix", dict(suffix_len=(48, 16)), "suffix_len must be a (min, max) pair"),
+    ("shared-prefix", dict(prefix_len=0), "prefix_len must be an integer >= 1"),
+    ("interference", dict(num_streams=0), "num_streams must be an integer >= 1"),
+    ("interference", dict(long_every=math.nan), "long_every must be > 0"),
+    ("memory-pressure", dict(pool_fraction=0.0), "pool_fraction must be in (0, 1]"),
+    ("memory-pressure", dict(pool_fraction=1.5), "pool_fraction must be in (0, 1]"),
+    ("offline", dict(rate=2.0), "workload 'offline' has no size 'rate'"),
+]
+
+
+@pytest.mark.parametrize("name, sizes, words", WORKLOAD_CASES, ids=[f"{c[0]}-{c[1]}" for c in WORKLOAD_CASES])
+def test_make_workload_refuses_bad_sizes(name, sizes, words, tok):
+    with pytest.raises(ValueError) as e:
+        make_workload(name, tok, **sizes)
+    assert words in str(e.value)
+
+
+def test_workload_builders_refuse_bad_sizes(tok):
+    for call, words in [(lambda: poisson_times(3, math.nan), "rate must be > 0"),
+                        (lambda: poisson_times(-1, 1.0), "num_requests must be an integer >= 0"),
+                        (lambda: random_workload(tok, 2, (5, 4)), "prompt_len must be a (min, max) pair"),
+                        (lambda: interference_arrivals(tok, arrive_at_step=-1), "arrive_at_step must be an integer"),
+                        (lambda: shared_prefix_arrivals(tok, suffix_len=(9, 3)), "suffix_len must be a (min, max)"),
+                        (lambda: squeezed_arrivals(tok, output_tokens=0), "output_tokens must be an integer >= 1")]:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert words in str(e.value)
+
+
+# -- good input still runs: each experiment end to end on tiny-random ------------------------------------
+
+TINY_RUNS = {
+    "throughput": ["--model", "tiny-random", "--num-requests", "3", "--prompt-len", "8", "16", "--output-len", "3", "5",
+                   "--block-size", "4", "--skip-hf"],
+    "interference": ["interference", "--model", "tiny-random", "--chunk-sizes", "0", "16", "--num-streams", "2",
+                     "--stream-tokens", "4", "--long-prompt-len", "40", "--long-tokens", "2", "--block-size", "4"],
+    "shared-prefix": ["shared-prefix", "--model", "tiny-random", "--num-requests", "3", "--prefix-len", "16",
+                      "--suffix-len", "4", "8", "--output-tokens", "3", "--block-size", "4"],
+    # a squeezed pool smaller than the warm-up request used to fail in the warm-up
+    "preemption": ["preemption", "--model", "tiny-random", "--num-requests", "4", "--prompt-len", "8", "12",
+                   "--output-tokens", "6", "--copy-blocks", "4"],
+}
+
+
+@pytest.mark.parametrize("name", TINY_RUNS)
+def test_every_experiment_still_runs_on_tiny_random(name, capsys):
+    assert bench_main(TINY_RUNS[name]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("workload:" if name in ("throughput", "interference", "shared-prefix") else "tiny-random")
+    assert "identical" in out or name == "throughput"
