@@ -18,8 +18,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.bench import (WORKLOADS, check_workload_sizes, format_results, make_workload, measure_machine,
                             roofline, run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
                             run_static, same_outputs, step_breakdown)
-from minivllm.bench.cli import (add_min_max, block_size_int, check_token_budget, nonneg_finite_float, nonneg_int,
-                                positive_finite_float, positive_int, probability, top_k_int, writable_file)
+from minivllm.bench.cli import (add_min_max, block_size_int, check_token_budget, device_name, nonneg_finite_float,
+                                nonneg_int, positive_finite_float, positive_int, probability, top_k_int, writable_file)
 from minivllm.config import cdiv, default_device
 from minivllm.models import load_model, load_tokenizer, model_folder
 from minivllm.simple_generation import chat_prompt_ids
@@ -147,9 +147,9 @@ def main(argv=None) -> int:
     g.add_argument("--max-tokens", type=positive_int, default=128)
     g.add_argument("--temperature", type=nonneg_finite_float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=probability, default=1.0)
-    g.add_argument("--top-k", type=top_k_int, default=-1, help="-1 = off")
+    g.add_argument("--top-k", type=top_k_int, default=-1, help="-1 or 0 = off")
     g.add_argument("--seed", type=nonneg_int, default=None)
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
 
     b = sub.add_parser("bench", help="run a benchmark workload and print the metrics",
                        description="Run a workload through minivllm (and, offline, through HF transformers) and "
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     b.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
     b.add_argument("--json", metavar="FILE", type=writable_file, help="also write every figure to FILE as JSON")
     b.add_argument("--model", default="smollm2-135m")
-    b.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    b.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
     b.add_argument("--seed", type=nonneg_int, default=0)
     b.add_argument("--num-requests", type=positive_int, default=None,
                    help="override the workload's number of requests")

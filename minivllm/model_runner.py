@@ -36,13 +36,6 @@ class ModelRunner:
         self.sampler = sampler if sampler is not None else Sampler(self.device)
         self.num_queries_per_kv = model.config.num_attention_heads // model.config.num_key_value_heads
 
-    def execute(self, out: SchedulerOutput, clock=None) -> SamplerOutput:
-        """Run one scheduled step: its block copies, then its forward and sampling."""
-        self.copy_blocks(out)
-        if clock is not None:
-            clock.mark("swap")
-        return self.run(out.chunks, clock)
-
     def copy_blocks(self, out: SchedulerOutput) -> None:
         """A fork's copies first, then swap-outs, then swap-ins (they may reuse blocks just swapped out)."""
         self.kv_cache.copy_blocks(out.copies)

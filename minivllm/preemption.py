@@ -8,8 +8,9 @@ listing prices both with :func:`preemption_accounting`, a formula;
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
+
+from minivllm.config import cdiv
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ def preemption_accounting(cached_tokens: int, block_size: int, kv_bytes_per_toke
         raise ValueError("cached_tokens must be >= 0, block_size and kv_bytes_per_token >= 1, bandwidth > 0")
     swap_bytes = cached_tokens * kv_bytes_per_token
     return PreemptionCost(
-        released_blocks=math.ceil(cached_tokens / block_size),
+        released_blocks=cdiv(cached_tokens, block_size),
         recompute_tokens=cached_tokens,
         swap_bytes=swap_bytes,
         swap_roundtrip_ms=2 * swap_bytes / (cpu_bandwidth_gbps * 1e9) * 1e3,

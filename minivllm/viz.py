@@ -6,6 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from minivllm.attention import causal_chunk_mask
+from minivllm.config import cdiv
 
 __all__ = ["plot_chunk_mask", "chunk_mask_widget"]
 
@@ -32,7 +33,7 @@ def plot_chunk_mask(n: int, chunk_size: int, ax=None):
         if a > 0:
             ax.axhline(a - 0.5, color="black", linewidth=0.8)
     ax.imshow(image, interpolation="nearest")
-    chunks = -(-n // chunk_size)
+    chunks = cdiv(n, chunk_size)
     ax.set_title(f"{n} tokens, chunk size {chunk_size}: {chunks} chunk{'s' * (chunks > 1)}")
     ax.set_xlabel("key position j (pale: read from the cache)")
     ax.set_ylabel("query position i")
@@ -86,7 +87,7 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
         width = max(len(s.block_table) for s in seqs) if seqs else 1
         _, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [ncols, max(width, 3)]})
     ax_pool, ax_tables = axes
-    nrows = -(-bm.num_blocks // ncols)
+    nrows = cdiv(bm.num_blocks, ncols)
     for block in range(bm.num_blocks):
         r, c = divmod(block, ncols)
         y = nrows - 1 - r

@@ -86,7 +86,9 @@ MAIN_CASES = [  # (argv, the flag the message names, words of the allowed range)
     (["generate", "Hi", "--model", "tiny-random", "--temperature", "nan"], "--temperature", ">= 0"),
     (["generate", "Hi", "--model", "tiny-random", "--top-p", "0"], "--top-p", "(0, 1]"),
     (["generate", "Hi", "--model", "tiny-random", "--top-p", "1.5"], "--top-p", "(0, 1]"),
-    (["generate", "Hi", "--model", "tiny-random", "--top-k", "0"], "--top-k", "-1"),
+    (["generate", "Hi", "--model", "tiny-random", "--top-k", "-2"], "--top-k", "-1"),
+    (["generate", "Hi", "--model", "tiny-random", "--device", "tpu"], "--device", "available here"),
+    (["bench", "--workload", "offline", "--device", "tpu"], "--device", "available here"),
     (["generate", "Hi", "--model", "tiny-random", "--seed", "-1"], "--seed", ">= 0"),
 ]
 

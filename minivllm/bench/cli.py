@@ -11,9 +11,10 @@ import sys
 from minivllm import LLM
 from minivllm.bench.trace import replay, warm_up
 from minivllm.bench.workloads import _blocks_for
+from minivllm.config import available_devices
 
 __all__ = ["positive_int", "nonneg_int", "block_size_int", "top_k_int", "positive_finite_float", "nonneg_finite_float",
-           "probability", "watermark_fraction", "writable_file", "MinMax", "add_min_max", "check_token_budget",
+           "probability", "watermark_fraction", "device_name", "writable_file", "MinMax", "add_min_max", "check_token_budget",
            "bench_parser", "offline_env", "SUBCOMMANDS", "main"]
 
 
@@ -46,11 +47,18 @@ def _float_type(allowed: str, ok):
 positive_int = _int_type("an integer >= 1", lambda v: v >= 1)
 nonneg_int = _int_type("an integer >= 0", lambda v: v >= 0)
 block_size_int = _int_type("an integer in [1, 1024]", lambda v: 1 <= v <= 1024)
-top_k_int = _int_type("-1 (off) or an integer >= 1", lambda v: v == -1 or v >= 1)
+top_k_int = _int_type("-1 or 0 (off) or an integer >= 1", lambda v: v >= -1)
 positive_finite_float = _float_type("a finite number > 0", lambda v: v > 0)
 nonneg_finite_float = _float_type("a finite number >= 0", lambda v: v >= 0)
 probability = _float_type("a number in (0, 1]", lambda v: 0 < v <= 1)  # also a share, e.g. of the KV demand
 watermark_fraction = _float_type("a number in [0, 1)", lambda v: 0 <= v < 1)
+
+
+def device_name(text: str) -> str:
+    """A device this machine has (``cpu``, ``cuda``, ``cuda:1``, ...)."""
+    if text.split(":")[0] not in available_devices():
+        raise argparse.ArgumentTypeError(f"must be a device available here, one of {available_devices()}, got {text!r}")
+    return text
 
 
 def writable_file(text: str) -> str:
@@ -113,7 +121,7 @@ def bench_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=positive_int, default=1, help="run every setting this many times, round "
                                                                         "robin; report the median of each figure")
     parser.add_argument("--seed", type=nonneg_int, default=0)
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
     return parser
 
 

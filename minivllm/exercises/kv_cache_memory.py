@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.config import cdiv
 from minivllm.exercises._common import _is_integer
 
 __all__ = ["check_kv_bytes_per_token", "check_paged_waste"]
@@ -62,14 +63,14 @@ def check_paged_waste(fn) -> None:
     """
     for lengths, bs in _WASTE_CASES:
         what = f"paged_waste({lengths}, block_size={bs})"
-        expected = sum(-(-n // bs) * bs - n for n in lengths)
+        expected = sum(cdiv(n, bs) * bs - n for n in lengths)
         got = fn(list(lengths), bs)
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         if not _is_integer(got):
             raise AssertionError(f"{what}: expected an int number of token slots, got {got!r} ({type(got).__name__})")
         if int(got) != expected:
-            per_seq = [-(-n // bs) * bs - n for n in lengths]
+            per_seq = [cdiv(n, bs) * bs - n for n in lengths]
             hint = ""
             if int(got) == sum((n // bs + 1) * bs - n for n in lengths):
                 hint = "; a length that is a multiple of block_size fills its last block exactly (use a ceiling division)"

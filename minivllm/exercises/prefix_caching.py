@@ -75,7 +75,7 @@ def _block_hash_cases():
 
 def _hash_hint(tokens, bs, expected, got) -> str:
     h = BlockManager.chain_hash
-    blocks = [tuple(tokens[i * bs:(i + 1) * bs]) for i in range(-(-len(tokens) // bs))]
+    blocks = [tuple(tokens[i * bs:(i + 1) * bs]) for i in range(cdiv(len(tokens), bs))]
     if len(got) == len(blocks) and len(blocks) > len(expected):
         return "only full blocks get a hash: the last, partial block is still being filled"
     if len(got) != len(expected):
