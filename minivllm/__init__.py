@@ -1,7 +1,8 @@
 """minivllm: a small, real LLM inference engine, built chapter by chapter."""
 
 from minivllm.config import EngineConfig, default_device
-from minivllm.engine import LLM, CompletionOutput, EngineStats, LLMEngine, RequestOutput
+from minivllm.engine import LLM, LLMEngine
+from minivllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from minivllm.models import load_model, load_tokenizer
 from minivllm.sampling_params import SamplingParams
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
@@ -36,65 +36,16 @@ from minivllm.config import EngineConfig, check, cpu_pool_blocks, free_memory_by
 from minivllm.detokenizer import OutputText
 from minivllm.model_runner import ModelRunner
 from minivllm.models import load_model, model_folder
+from minivllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from minivllm.sampler import SamplerOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
-from minivllm.sequence import RequestMetrics, Sequence, SequenceStatus
+from minivllm.sequence import Sequence, SequenceStatus
 from minivllm.timing import PhaseClock
 
-__all__ = ["CompletionOutput", "RequestOutput", "EngineStats", "LLMEngine", "LLM"]
+__all__ = ["LLMEngine", "LLM"]
 
 MAX_PRIORITY = 2**63  # priorities are integers in (-MAX_PRIORITY, MAX_PRIORITY)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str  # everything generated so far
-    token_ids: list[int]
-    delta_text: str = ""  # what this step added
-    delta_token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
-    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-    logprobs: list[dict] | None = None  # per output token, when SamplingParams.logprobs is set
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]  # one per sample (n), by index
-    finished: bool
-    metrics: RequestMetrics
-    error: str | None = None  # why a sample failed (finish_reason "error")
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_prefilling: int
-    num_waiting: int
-    num_swapped: int
-    num_free_blocks: int
-    num_total_blocks: int
-    prefix_cache_hit_rate: float
-    num_preemptions: int
-    num_recomputed_tokens: int = 0
-    num_swapped_bytes: int = 0
-    num_free_cpu_blocks: int = 0
-    num_total_cpu_blocks: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (vLLM's counter)
-    prefix_cache_hits: int = 0  # of those, tokens found
-    num_failed_requests: int = 0
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_total_blocks - self.num_free_blocks
-
-    @property
-    def kv_utilization(self) -> float:
-        return self.num_used_blocks / self.num_total_blocks
 
 
 @dataclass

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+
+import ipywidgets
 import matplotlib.pyplot as plt
 import numpy as np
 
@@ -40,19 +43,21 @@ def plot_chunk_mask(n: int, chunk_size: int, ax=None):
     return ax
 
 
+def _widgets():
+    """``ipywidgets``, made drawable first on Colab (it draws ipywidgets 8 only through its custom widget manager)."""
+    if "google.colab" in sys.modules:
+        from google.colab import output  # exists only on Colab
+
+        output.enable_custom_widget_manager()
+    return ipywidgets
+
+
 def chunk_mask_widget(n: int = 16, chunk_size: int = 4):
     """An ``IntSlider`` over the chunk size that redraws :func:`plot_chunk_mask` live (chapter 02).
 
     Needs a running kernel (Jupyter, Colab): a static page shows no widget.
     """
-    import sys
-
-    import ipywidgets as widgets
-
-    if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 only through its custom widget manager
-        from google.colab import output
-
-        output.enable_custom_widget_manager()
+    widgets = _widgets()
 
     def draw(chunk_size):
         plot_chunk_mask(n, chunk_size)
@@ -343,14 +348,7 @@ def choice_widget(options, draw, description: str = "setting", value=None):
 
     Needs a running kernel (Jupyter, Colab): a static page shows no widget.
     """
-    import sys
-
-    import ipywidgets as widgets
-
-    if "google.colab" in sys.modules:  # Colab draws ipywidgets 8 only through its custom widget manager
-        from google.colab import output
-
-        output.enable_custom_widget_manager()
+    widgets = _widgets()
     options = list(options)
     dropdown = widgets.Dropdown(options=options, value=options[0] if value is None else value,
                                 description=description)

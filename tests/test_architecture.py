@@ -15,7 +15,7 @@ from minivllm.scheduler import Scheduler
 from helpers import greedy, run_engine
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ["config", "sampling_params", "sequence", "block_manager", "scheduler", "simulator", "attention", "sampler",
+CORE = ["config", "sampling_params", "sequence", "outputs", "block_manager", "scheduler", "simulator", "attention", "sampler",
         "detokenizer", "model_runner", "engine", "timing", "preemption", "simple_generation", "models/llama",
         "models/loader"]
 

@@ -242,6 +242,27 @@ def test_two_threads_on_one_llm_get_their_own_correct_tokens(llm, trial):
     assert llm.engine.stats().num_free_blocks == 64
 
 
+def test_threads_mixing_streams_and_generate_calls_keep_their_tokens(llm):
+    params = greedy(9, ignore_eos=True)
+    prompts = ["One", "Two", [7, 7, 7], [8, 8]]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = {}
+
+    def streamer(i):
+        got[i] = "".join(llm.stream(prompts[i], params))
+
+    def generator(i):
+        got[i] = llm.generate([prompts[i]], params, use_tqdm=False)[0].outputs[0].text
+
+    threads = [threading.Thread(target=f, args=(i,)) for i, f in enumerate([streamer, generator, streamer, generator])]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert [got.get(i) for i in range(4)] == expected
+    assert not llm.engine.has_unfinished_requests() and llm.engine.stats().num_free_blocks == 64
+
+
 # -- 6. vLLM's prompt forms ------------------------------------------------------------------------
 def test_prompt_forms(llm):
     tok = llm.get_tokenizer()

@@ -5,10 +5,12 @@
 [interference|shared-prefix|preemption]`` runs a chapter's experiment.
 """
 
+import sys
+
 from minivllm.bench import (baselines, harness, interference, metrics, preemption, shared_prefix, throughput, timing,
                             trace, workloads)
 from minivllm.bench.baselines import *  # noqa: F401,F403
-from minivllm.bench.cli import SUBCOMMANDS, main
+from minivllm.bench.cli import SUBCOMMANDS
 from minivllm.bench.harness import *  # noqa: F401,F403
 from minivllm.bench.interference import *  # noqa: F401,F403
 from minivllm.bench.metrics import *  # noqa: F401,F403
@@ -23,3 +25,15 @@ from minivllm.simulator import SimTrace, sim_sequence, simulate_schedule  # chap
 __all__ = [name for module in (timing, metrics, workloads, baselines, trace, harness, throughput, interference,
                                shared_prefix, preemption) for name in module.__all__]
 __all__ += ["SimTrace", "sim_sequence", "simulate_schedule", "SUBCOMMANDS", "main"]
+
+_EXPERIMENTS = {"interference": interference.interference_main, "shared-prefix": shared_prefix.shared_prefix_main,
+                "preemption": preemption.preemption_main}
+
+
+def main(argv=None) -> int:
+    """``python -m minivllm.bench [interference|shared-prefix|preemption] ...``: the named chapter experiment,
+    by default the throughput comparison with HF transformers."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _EXPERIMENTS:
+        return _EXPERIMENTS[argv[0]](argv[1:])
+    return throughput.throughput_main(argv)

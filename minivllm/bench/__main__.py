@@ -1,3 +1,3 @@
-from minivllm.bench.cli import main
+from minivllm.bench import main
 
 raise SystemExit(main())

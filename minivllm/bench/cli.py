@@ -15,7 +15,7 @@ from minivllm.config import available_devices
 
 __all__ = ["positive_int", "nonneg_int", "block_size_int", "top_k_int", "positive_finite_float", "nonneg_finite_float",
            "probability", "watermark_fraction", "device_name", "writable_file", "MinMax", "add_min_max", "check_token_budget",
-           "bench_parser", "offline_env", "SUBCOMMANDS", "main"]
+           "bench_parser", "offline_env", "SUBCOMMANDS"]
 
 
 # -- Checked types: each parses one flag's text or raises ArgumentTypeError saying the allowed range ---------
@@ -146,23 +146,4 @@ def _same_outputs(traces) -> bool:
     return all(t.token_ids == first for t in traces[1:])
 
 
-# -- python -m minivllm.bench [experiment] ----------------------------------------------------------------
-
-SUBCOMMANDS = ("interference", "shared-prefix", "preemption")
-
-
-def main(argv=None) -> int:
-    """``python -m minivllm.bench [interference|shared-prefix|preemption] ...``: the named chapter experiment,
-    by default the throughput comparison with HF transformers."""
-    # imported here, not at the top: each experiment module imports this one for its flags
-    from minivllm.bench.interference import interference_main
-    from minivllm.bench.preemption import preemption_main
-    from minivllm.bench.shared_prefix import shared_prefix_main
-    from minivllm.bench.throughput import throughput_main
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    experiments = {"interference": interference_main, "shared-prefix": shared_prefix_main,
-                   "preemption": preemption_main}
-    if argv and argv[0] in experiments:
-        return experiments[argv[0]](argv[1:])
-    return throughput_main(argv)
+SUBCOMMANDS = ("interference", "shared-prefix", "preemption")  # python -m minivllm.bench NAME (see bench/__init__)

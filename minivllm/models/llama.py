@@ -56,7 +56,7 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # only for scaled RoPE variants
 
     return ROPE_INIT_FUNCTIONS[rope_type](config)
 
