@@ -5,6 +5,7 @@ In a solution notebook the reader's part sits between ``# BEGIN SOLUTION`` and
 at the marker's indentation. Cells tagged ``check`` (the ones that call the
 reader's code) and cells whose region is at the top level would then raise,
 so they get the ``raises-exception`` tag that nbval and Jupyter Book honour.
+Cells tagged ``answer`` (the answers to "To think about") are left out.
 
     python exercises/generate.py          # rewrite exercises/
     python exercises/generate.py --check  # exit 1 if exercises/ is out of date
@@ -21,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 STUB = 'raise NotImplementedError("exercise: write this part")'
+ANSWER = "answer"  # the tag of cells that only the solution notebook keeps
 BANNER = (
     "> **Exercise notebook.** Fill in every `raise NotImplementedError`, then run the "
     "check cells; the worked solution is in `solutions/` of the repository."
@@ -52,6 +54,7 @@ def strip_solutions(source: str) -> tuple[str, bool, bool]:
 def make_exercise(solution: dict) -> dict:
     """The exercise version of a solution notebook (a JSON dict), outputs cleared."""
     nb = copy.deepcopy(solution)
+    nb["cells"] = [c for c in nb["cells"] if ANSWER not in c.get("metadata", {}).get("tags", [])]
     regions = 0
     for cell in nb["cells"]:
         if cell["cell_type"] != "code":
@@ -64,9 +67,35 @@ def make_exercise(solution: dict) -> dict:
         tags = cell.setdefault("metadata", {}).setdefault("tags", [])
         if (top or "check" in tags) and "raises-exception" not in tags:
             tags.append("raises-exception")
-    if regions == 0:
-        raise ValueError("a solution notebook needs at least one '# BEGIN SOLUTION' region")
+    if regions == 0 and not nb["metadata"].get("minivllm", {}).get("capstone"):
+        raise ValueError("a solution notebook needs at least one '# BEGIN SOLUTION' region (or be the capstone)")
     nb["cells"].insert(1, {"cell_type": "markdown", "metadata": {}, "source": BANNER})
+    return nb
+
+
+def solution_regions(source: str) -> list[str]:
+    """The text of each marked region of a cell, markers excluded, in order."""
+    regions, current = [], None
+    for line in source.split("\n"):
+        if line.strip().startswith(BEGIN):
+            current = []
+        elif line.strip().startswith(END):
+            regions.append("\n".join(current))
+            current = None
+        elif current is not None:
+            current.append(line)
+    return regions
+
+
+def fill_stubs(exercise: dict, solution: dict) -> dict:
+    """The exercise with every stub replaced by the solution's code for it: what a reader who solved it has."""
+    nb = copy.deepcopy(exercise)
+    regions = iter(r for c in solution["cells"] if c["cell_type"] == "code"
+                   for r in solution_regions("".join(c["source"])))
+    for cell in nb["cells"]:
+        if cell["cell_type"] == "code":
+            lines = "".join(cell["source"]).split("\n")
+            cell["source"] = "\n".join(next(regions) if line.strip() == STUB else line for line in lines)
     return nb
 
 

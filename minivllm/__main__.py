@@ -1,8 +1,10 @@
-"""Command line: ``python -m minivllm generate "prompt"`` and ``python -m minivllm bench --workload NAME``.
+"""Command line: ``python -m minivllm generate "prompt"``, ``bench --workload NAME`` and ``serve``.
 
 ``generate`` streams a chat reply from the embedded model (chapter 07);
 ``bench`` runs one of chapter 11's workloads through minivllm, and on an
-offline workload through HF transformers too, and prints vLLM-style metrics.
+offline workload through HF transformers too, and prints vLLM-style metrics
+(with ``--server URL``, through a running OpenAI-compatible server, chapter 13);
+``serve`` runs the OpenAI-compatible server (chapter 13).
 """
 
 from __future__ import annotations
@@ -19,21 +21,30 @@ from minivllm.bench import (WORKLOADS, check_workload_sizes, format_results, mak
                             roofline, run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
                             run_static, same_outputs, step_breakdown)
 from minivllm.bench.cli import (add_min_max, block_size_int, check_token_budget, device_name, nonneg_finite_float,
-                                nonneg_int, positive_finite_float, positive_int, probability, top_k_int, writable_file)
+                                nonneg_int, positive_finite_float, positive_int, probability, server_url, top_k_int,
+                                writable_file)
+from minivllm.bench.online import BACKENDS, run_online
 from minivllm.config import cdiv, default_device
 from minivllm.models import load_model, load_tokenizer, model_folder
+from minivllm.serving.cli import add_serve_arguments, serve_main
 from minivllm.simple_generation import chat_prompt_ids
 
 
-def _generate(args) -> int:
-    llm = LLM(args.model, device=args.device)
-    tokenizer = llm.get_tokenizer()
-    prompt = args.prompt if args.raw else chat_prompt_ids(tokenizer, args.prompt, args.system)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
-    for text in llm.stream(prompt, params):
-        print(text, end="", flush=True)
-    print()
+def _generate(args, parser) -> int:
+    try:
+        llm = LLM(args.model, device=args.device, tensor_parallel_size=args.tensor_parallel_size)
+    except ValueError as e:
+        if not str(e).startswith("tensor_parallel_size"):
+            raise
+        parser.error(f"argument --tensor-parallel-size: {e}")
+    with llm:  # stops the tensor-parallel workers, if any (chapter 15)
+        tokenizer = llm.get_tokenizer()
+        prompt = args.prompt if args.raw else chat_prompt_ids(tokenizer, args.prompt, args.system)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed)
+        for text in llm.stream(prompt, params):
+            print(text, end="", flush=True)
+        print()
     return 0
 
 
@@ -43,10 +54,38 @@ COMPARISONS = ("hf-batch", "hf-static", "hf-single", "static", "contiguous", "na
 SIZE_FLAGS = ("num_requests", "prompt_len", "output_len", "rate")  # bench flags that override a workload's size
 
 
+def _slo(args) -> dict | None:
+    return {k: v / 1e3 for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot)) if v is not None} or None
+
+
+def _bench_server(args, workload, tokenizer) -> int:
+    """The workload through a running server's OpenAI API (chapter 13)."""
+    print(f"workload {workload.name}: {workload.description}; greedy, exact output lengths, seed {args.seed}")
+    print(f"server {args.server} ({args.backend}), streaming /v1/completions", flush=True)
+    run = run_online(args.server, workload, tokenizer, backend=args.backend)
+    failed = [e for e in run.errors if e]
+    metrics = run.metrics(_slo(args))
+    print()
+    print(metrics.table())
+    if failed:
+        print(f"\n{len(failed)} of {len(run.requests)} requests failed, e.g. {failed[0]}")
+    if args.json:
+        report = {"workload": {"name": workload.name, "description": workload.description, "seed": args.seed,
+                               "num_requests": len(workload.arrivals)}, "server": args.server,
+                  "backend": args.backend, "failed": len(failed), **metrics.as_dict()}
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0 if not failed else 1
+
+
 def _bench(args, parser) -> int:
     device = torch.device(args.device) if args.device else default_device()
     sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
-    workload = make_workload(args.workload, load_tokenizer(args.model), seed=args.seed, **sizes)
+    tokenizer = load_tokenizer(args.model)
+    workload = make_workload(args.workload, tokenizer, seed=args.seed, **sizes)
+    if args.server:
+        return _bench_server(args, workload, tokenizer)
     max_num_seqs = args.max_num_seqs or max(16, len(workload.arrivals))  # run_engine's default
     check_token_budget(parser, args.max_num_batched_tokens, max_num_seqs,
                        "--max-num-seqs, by default every request of the workload and at least 16",
@@ -67,6 +106,8 @@ def _bench(args, parser) -> int:
         opts["max_num_seqs"] = args.max_num_seqs
     if args.chunked_prefill:
         opts.update(enable_chunked_prefill=True, max_prefill_chunk_size=args.chunked_prefill)
+    if args.tensor_parallel_size > 1:
+        opts["tensor_parallel_size"] = args.tensor_parallel_size
     results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
     ours = results[0]
     hf = None
@@ -85,7 +126,7 @@ def _bench(args, parser) -> int:
                         "contiguous": lambda: run_contiguous(model, workload),
                         "naive": lambda: run_naive(model, workload)}[name]())
 
-    slo = {k: v / 1e3 for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot)) if v is not None} or None
+    slo = _slo(args)
     limits = measure_machine(model) if args.roofline else None
     bound = roofline(model, workload, limits) if limits else None
     print()
@@ -150,6 +191,8 @@ def main(argv=None) -> int:
     g.add_argument("--top-k", type=top_k_int, default=-1, help="-1 or 0 = off")
     g.add_argument("--seed", type=nonneg_int, default=None)
     g.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="split the model over this many worker processes (chapter 15; default: 1)")
 
     b = sub.add_parser("bench", help="run a benchmark workload and print the metrics",
                        description="Run a workload through minivllm (and, offline, through HF transformers) and "
@@ -163,8 +206,12 @@ def main(argv=None) -> int:
                    help="override the workload's number of requests")
     add_min_max(b, "--prompt-len", default=None)
     add_min_max(b, "--output-len", default=None)
-    b.add_argument("--rate", type=positive_finite_float, default=None,
+    b.add_argument("--rate", "--request-rate", dest="rate", type=positive_finite_float, default=None,
                    help="requests per second (online, shared-prefix)")
+    b.add_argument("--server", metavar="URL", type=server_url, default=None,
+                   help="send the workload to this OpenAI-compatible server (streaming), e.g. http://127.0.0.1:8000")
+    b.add_argument("--backend", choices=sorted(BACKENDS), default="minivllm",
+                   help="with --server: how the server is asked for exact output lengths (default: minivllm)")
     b.add_argument("--compare", nargs="+", choices=COMPARISONS + ("none",), default=None,
                    help="baselines on the same workload (offline only; default hf-batch hf-static)")
     b.add_argument("--hf-batch-size", type=positive_int, default=16,
@@ -175,6 +222,8 @@ def main(argv=None) -> int:
     b.add_argument("--chunked-prefill", type=nonneg_int, default=0, metavar="CHUNK",
                    help="enable with this chunk size (0 = off)")
     b.add_argument("--prefix-caching", action="store_true")
+    b.add_argument("--tensor-parallel-size", type=positive_int, default=1,
+                   help="run minivllm over this many worker processes (chapter 15; default: 1)")
     b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",
                    help="goodput: TTFT limit in ms")
     b.add_argument("--slo-tpot", type=positive_finite_float, default=None, metavar="MS",
@@ -183,17 +232,28 @@ def main(argv=None) -> int:
     b.add_argument("--breakdown", type=nonneg_int, default=0, metavar="MAX_B",
                    help="also time the phases of a decode step at batch sizes 1, 2, 4, ... up to MAX_B")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
+    s = sub.add_parser("serve", help="run the OpenAI-compatible server",
+                       description="Serve the model over OpenAI's API (/v1/completions, /v1/chat/completions, "
+                                   "/v1/models) plus /health, /tokenize, /detokenize and Prometheus /metrics.")
+    add_serve_arguments(s)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "generate":
-        return _generate(args)
+        return _generate(args, g)
+    if args.command == "serve":
+        return serve_main(args, s)
     for size in SIZE_FLAGS:  # a size the workload does not have (argparse checked the ranges)
         if getattr(args, size) is not None:
             try:
                 check_workload_sizes(args.workload, **{size: getattr(args, size)})
             except ValueError as e:
                 b.error(f"argument --{size.replace('_', '-')}: {e}")
-    if args.max_num_seqs:
+    if args.server:
+        if args.compare and args.compare != ["none"]:
+            b.error("argument --compare: not with --server (the baselines run in this process)")
+        if args.workload == "memory-pressure":
+            b.error("argument --workload: memory-pressure squeezes the engine's own KV pool; a server has its own")
+    elif args.max_num_seqs:
         check_token_budget(b, args.max_num_batched_tokens, args.max_num_seqs, "--max-num-seqs")
     return _bench(args, b)
 

@@ -13,12 +13,15 @@ before the first layer), and gets the attention output back.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from minivllm.block_manager import slots
 
 __all__ = [
     "causal_chunk_mask",
@@ -199,8 +202,10 @@ class PagedBatch:
 
     Sequence ``b`` feeds ``query_lens[b]`` tokens that end at ``context_lens[b]``
     (so its queries sit at positions ``context_lens[b] - query_lens[b]`` onward),
-    flattened one sequence after another. All indices and masks are built once
-    per step, before the first layer, and shared by every layer; give
+    flattened one sequence after another, writing their KV to ``slot_mapping``
+    (the block manager's, or computed here by the same rule). All indices and
+    masks are built once per step, before the first layer, and shared by every
+    layer; give
     ``num_queries_per_kv`` (query heads per KV head) so the masks are built
     folded for grouped-query attention. Sequences are attended in padded
     groups (:class:`AttentionGroup`), decodes (one query) apart from prefills,
@@ -211,16 +216,15 @@ class PagedBatch:
     """
 
     def __init__(self, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
-                 block_size: int, device, num_queries_per_kv: int = 1):
+                 block_size: int, device, num_queries_per_kv: int = 1, slot_mapping: list[int] | None = None):
         self.block_size = block_size
         self.num_queries_per_kv = num_queries_per_kv
-        starts, slots, t = [], [], 0
-        for table, ctx, n in zip(block_tables, context_lens, query_lens):
-            starts.append(t)
-            t += n
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - n, ctx))
-        self.num_tokens = t
-        self.slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        starts = [0, *itertools.accumulate(query_lens)][:-1]  # where each sequence's tokens begin
+        self.num_tokens = sum(query_lens)
+        if slot_mapping is None:  # the block manager's rule (chapter 04), for batches built by hand
+            slot_mapping = [s for table, ctx, n in zip(block_tables, context_lens, query_lens)
+                            for s in slots(table, ctx - n, ctx, block_size)]
+        self.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
         self.groups: list[AttentionGroup] = []
         for wanted in (lambda n: n == 1, lambda n: n > 1):
             rows = sorted((b for b, n in enumerate(query_lens) if wanted(n)), key=lambda b: len(block_tables[b]))

@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from minivllm.config import cdiv
 from minivllm.sequence import Sequence
 
-__all__ = ["Block", "BlockManager"]
+__all__ = ["slots", "Block", "BlockManager"]
+
+
+def slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """The KV slots of tokens ``[start, end)``: token ``i`` is at offset ``i % block_size`` of block ``block_table[i // block_size]``."""
+    return [block_table[i // block_size] * block_size + i % block_size for i in range(start, end)]
 
 
 @dataclass
@@ -71,6 +76,10 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Where the KV of ``seq``'s tokens ``[start, end)`` is written (its table must cover them)."""
+        return slots(seq.block_table, start, end, self.block_size)
+
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its table covers ``num_tokens`` tokens."""
         return max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
@@ -82,7 +91,7 @@ class BlockManager:
 
         ``cached_blocks`` (from :meth:`lookup_prefix`, for a sequence without
         blocks) are claimed first. With ``watermark`` the allocation must also
-        leave the admission watermark free.
+        leave the admission watermark free (chapter 10).
         """
         assert not cached_blocks or not seq.block_table, "cached blocks start a sequence without blocks"
         need = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_blocks)
@@ -90,22 +99,24 @@ class BlockManager:
         free_after = self.num_free_blocks - revived - max(0, need)
         if free_after < (self.watermark_blocks if watermark else 0):
             return False
-        for b in cached_blocks:
-            self._claim(b)
+        for block in cached_blocks:
+            self.claim(block)
         seq.block_table.extend(cached_blocks)
         for _ in range(need):
-            seq.block_table.append(self._take_free_block())
+            seq.block_table.append(self.take_free_block())
         return True
 
-    def _claim(self, block: int) -> None:
+    def claim(self, block: int) -> None:
+        """One more owner for a block another sequence computed (a prefix-cache hit, a fork)."""
         if self.blocks[block].ref_count == 0:
             del self.evictable[block]
         self.blocks[block].ref_count += 1
 
-    def _take_free_block(self) -> int:
+    def take_free_block(self) -> int:
+        """A block for new KV, owned once: an unused one, else the least recently used cached one (evicted)."""
         if self.free_blocks:
             block = self.free_blocks.popleft()
-        else:  # evict the least recently used cached block
+        else:
             block, _ = self.evictable.popitem(last=False)
             self._unregister(block)
         self.blocks[block].ref_count = 1
@@ -113,21 +124,26 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (finish, abort or preemption). Shared blocks just lose a reference."""
-        self._release(seq.block_table)
+        for block in reversed(seq.block_table):  # tail first: the prefix stays cached longest
+            self.release(block)
         seq.block_table = []
+        self.forget(seq)
+
+    def release(self, block: int) -> None:
+        """One owner fewer; with none left, a cached block waits (evictable) and any other is free."""
+        record = self.blocks[block]
+        record.ref_count -= 1
+        if record.ref_count == 0:
+            if record.hash is not None:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+
+    def forget(self, seq: Sequence) -> None:
+        """Drop what the swap space and the prefix cache keep for ``seq`` (it is gone, or starts over)."""
         self.free_cpu_blocks.extend(seq.cpu_block_table)
         seq.cpu_block_table = []
         self.seq_links.pop(seq.seq_id, None)
-
-    def _release(self, blocks: list[int]) -> None:
-        for block in reversed(blocks):  # tail first: the prefix stays cached longest
-            record = self.blocks[block]
-            record.ref_count -= 1
-            if record.ref_count == 0:
-                if record.hash is not None:
-                    self.evictable[block] = None
-                else:
-                    self.free_blocks.append(block)
 
     def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]] | None:
         """Give ``child`` ``parent``'s computed blocks: full ones shared, a partly filled last one copied.
@@ -143,11 +159,11 @@ class BlockManager:
         if partial and self.num_free_blocks == 0:
             return None
         for block in parent.block_table[:full]:
-            self._claim(block)
+            self.claim(block)
         child.block_table = parent.block_table[:full]
         copies = []
         if partial:
-            copies.append((parent.block_table[full], self._take_free_block()))
+            copies.append((parent.block_table[full], self.take_free_block()))
             child.block_table.append(copies[0][1])
         child.cached_token_count = computed
         self.seq_links[child.seq_id] = list(self.seq_links.get(parent.seq_id, []))[:full]
@@ -160,7 +176,8 @@ class BlockManager:
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
         """Move ``seq``'s blocks to the CPU pool; returns the (device block, cpu block) copies to make."""
         pairs = [(block, self.free_cpu_blocks.popleft()) for block in seq.block_table]
-        self._release(seq.block_table)
+        for block in reversed(seq.block_table):
+            self.release(block)
         seq.block_table = []
         seq.cpu_block_table = [cpu for _, cpu in pairs]
         return pairs
@@ -169,7 +186,7 @@ class BlockManager:
         """Bring ``seq``'s blocks back and grow them to ``num_tokens`` tokens; the (cpu, device) copies, or None."""
         if max(len(seq.cpu_block_table), cdiv(num_tokens, self.block_size)) > self.num_free_blocks:
             return None
-        pairs = [(cpu, self._take_free_block()) for cpu in seq.cpu_block_table]
+        pairs = [(cpu, self.take_free_block()) for cpu in seq.cpu_block_table]
         self.free_cpu_blocks.extend(seq.cpu_block_table)
         seq.cpu_block_table = []
         seq.block_table = [block for _, block in pairs]

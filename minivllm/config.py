@@ -46,13 +46,18 @@ class EngineConfig:
     waited.
 
     Extension points (as vLLM's ``scheduler_cls``): ``scheduler_cls``,
-    ``block_manager_cls``, ``attention_backend`` (the paged KV cache class)
-    and ``sampler`` (the sampler class) take a class or its dotted name. The
+    ``block_manager_cls``, ``attention_backend`` (the paged KV cache class),
+    ``sampler`` and ``detokenizer`` (the incremental detokenizer class) take a
+    class or its dotted name. The
     defaults are minivllm's own, built through the same code path; the
     exercises plug a reader's part in here.
 
     ``pack_weights`` prepacks linear weights for oneDNN on a float32 CPU
     (chapter 12); it never changes the tokens.
+
+    ``tensor_parallel_size`` splits every layer over that many worker
+    processes (chapter 15): it must divide the model's query and KV heads,
+    which the engine checks against the checkpoint before anything starts.
     """
 
     model: str = "smollm2-135m"
@@ -75,10 +80,12 @@ class EngineConfig:
     dtype: str = "float32"
     seed: int = 0
     pack_weights: bool = True
+    tensor_parallel_size: int = 1
     scheduler_cls: type | str = "minivllm.scheduler.Scheduler"
     block_manager_cls: type | str = "minivllm.block_manager.BlockManager"
     attention_backend: type | str = "minivllm.attention.PagedKVCache"
     sampler: type | str = "minivllm.sampler.Sampler"
+    detokenizer: type | str = "minivllm.detokenizer.IncrementalDetokenizer"
 
     def __post_init__(self):
         check(isinstance(self.model, str) and self.model != "", "model", "a non-empty string", self.model)
@@ -102,8 +109,23 @@ class EngineConfig:
         check(self.dtype in DTYPES, "dtype", f"one of {tuple(DTYPES)}", self.dtype)
         check(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63 - 1]", self.seed)
         check(isinstance(self.pack_weights, bool), "pack_weights", "True or False", self.pack_weights)
-        for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler"):
+        check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
+              "an integer >= 1", self.tensor_parallel_size)
+        self._check_tensor_parallel_devices()
+        for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer"):
             resolve(getattr(self, name), name)
+
+    def _check_tensor_parallel_devices(self) -> None:
+        """Ranks need a device each on CUDA (NCCL), and the CPU (gloo) elsewhere (chapter 15)."""
+        if self.tensor_parallel_size == 1:
+            return
+        kind = self.torch_device.type
+        check(kind in ("cpu", "cuda"), "tensor_parallel_size", f"1 on {kind} (ranks run on cpu or cuda)",
+              self.tensor_parallel_size)
+        if kind == "cuda":
+            gpus = torch.cuda.device_count()
+            check(self.tensor_parallel_size <= gpus, "tensor_parallel_size",
+                  f"at most the {gpus} CUDA devices here (one per rank)", self.tensor_parallel_size)
 
     @classmethod
     def field_names(cls) -> set[str]:

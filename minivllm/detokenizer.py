@@ -47,8 +47,10 @@ class OutputText:
     character still waiting for its last byte is not lost.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] = (), include_stop: bool = False):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] = (), include_stop: bool = False,
+                 detokenizer_cls=IncrementalDetokenizer):
+        self.tokenizer = tokenizer
+        self.detokenizer = detokenizer_cls(tokenizer, prompt_token_ids)
         self.stop, self.include_stop = list(stop), include_stop
         self.hold_back = max(map(len, self.stop)) - 1 if self.stop and not include_stop else 0
         self.end: int | None = None  # where the text was cut by a stop string
@@ -73,7 +75,7 @@ class OutputText:
     def finish(self, all_token_ids: list[int]) -> None:
         """The sample ended: decode its whole output once, to flush a character that was still incomplete."""
         if self.end is None:
-            full = self.detokenizer._decode(all_token_ids)
+            full = self.tokenizer.decode(all_token_ids, skip_special_tokens=True)
             if full.startswith(self.detokenizer.text):
                 self.detokenizer.text = full
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterator
@@ -34,8 +35,9 @@ from transformers import GenerationConfig
 from minivllm.attention import PagedKVCache
 from minivllm.config import EngineConfig, check, cpu_pool_blocks, free_memory_bytes, is_int, is_number, resolve
 from minivllm.detokenizer import OutputText
+from minivllm.distributed import TensorParallelRunner, WorkerError, start_workers
 from minivllm.model_runner import ModelRunner
-from minivllm.models import load_model, model_folder
+from minivllm.models import load_model, load_model_shard, load_tokenizer, model_folder
 from minivllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from minivllm.sampler import SamplerOutput
 from minivllm.sampling_params import SamplingParams
@@ -69,11 +71,36 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
-        device = config.torch_device
-        self.model, self.tokenizer = load_model(config.model, device, config.torch_dtype, config.pack_weights)
+        self.lock = threading.RLock()
+        # Tensor parallelism (chapter 15): the other ranks start first and load their shards meanwhile.
+        self.workers = start_workers(config) if config.tensor_parallel_size > 1 else None
+        if self.workers is not None:
+            weakref.finalize(self, self.workers.shutdown)  # no worker outlives an engine that is dropped
+        try:
+            self._build(config)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.detokenizer_cls = resolve(config.detokenizer)
+        self.requests: dict[str, Request] = {}  # unfinished requests by id
+        self._held: list[RequestOutput] = []  # outputs for LLMEngine.step() produced by steps run for LLM calls
+        self.num_steps = 0
+        self.num_failed_requests = 0
+        self.last_schedule = SchedulerOutput()  # what the latest step ran (chapters draw timelines from it)
+        self.last_step_phases: dict[str, float] = {}  # seconds per phase of the latest step (chapter 12)
+        self.sync_phase_timing = False  # on a GPU, wait for the device at each phase boundary
+
+    def _build(self, config: EngineConfig) -> None:
+        """The model (or rank 0's shard), the pool sizes, block manager, scheduler and runner."""
+        device = config.torch_device if self.workers is None else self.workers.device
+        if self.workers is None:
+            self.model, self.tokenizer = load_model(config.model, device, config.torch_dtype, config.pack_weights)
+        else:
+            self.model = load_model_shard(config.model, self.workers.tp, device, config.torch_dtype, config.pack_weights)
+            self.tokenizer = load_tokenizer(config.model)
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len = self._max_model_len()
-        self.kv_bytes_per_block = PagedKVCache.bytes_per_token(self.model) * config.block_size
+        self.kv_bytes_per_block = PagedKVCache.bytes_per_token(self.model) * config.block_size  # this rank's heads
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
         self.num_cpu_blocks = cpu_pool_blocks(config, self.num_blocks)
         self.block_manager = resolve(config.block_manager_cls)(
@@ -81,16 +108,20 @@ class LLMEngine:
             config.admission_watermark)
         self.scheduler = resolve(config.scheduler_cls)(config, self.block_manager, self.max_model_len,
                                                        self._eos_token_ids(), self.kv_bytes_per_block)
-        self.runner = ModelRunner(self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
-                                  resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
-        self.requests: dict[str, Request] = {}  # unfinished requests by id
-        self.lock = threading.RLock()
-        self._held: list[RequestOutput] = []  # outputs for LLMEngine.step() produced by steps run for LLM calls
-        self.num_steps = 0
-        self.num_failed_requests = 0
-        self.last_schedule = SchedulerOutput()  # what the latest step ran (chapters draw timelines from it)
-        self.last_step_phases: dict[str, float] = {}  # seconds per phase of the latest step (chapter 12)
-        self.sync_phase_timing = False  # on a GPU, wait for the device at each phase boundary
+        args = (self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
+                resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
+        self.runner = ModelRunner(*args) if self.workers is None else TensorParallelRunner(self.workers, *args)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (chapter 15); idempotent, a no-op with one process.
+
+        The engine cannot step afterwards. ``LLM`` is a context manager that
+        calls this; an engine that is garbage-collected or still alive at
+        interpreter exit is shut down too.
+        """
+        with self.lock:
+            if self.workers is not None:
+                self.workers.shutdown()
 
     def _max_model_len(self) -> int:
         limit = self.model.config.max_position_embeddings
@@ -110,9 +141,15 @@ class LLMEngine:
         return ids - {None}
 
     def _blocks_from_memory(self) -> int:
-        """Size the pool from free memory, capped at what ``max_num_seqs`` full-length sequences could use."""
+        """Size the pool from free memory, capped at what ``max_num_seqs`` full-length sequences could use.
+
+        Under tensor parallelism a block costs each rank ``1/tp`` of its bytes;
+        on the CPU the ranks share one memory, so its budget is split between them.
+        """
         c = self.config
-        by_memory = int(free_memory_bytes(c.torch_device) * c.kv_cache_memory_fraction) // self.kv_bytes_per_block
+        sharing = c.tensor_parallel_size if c.torch_device.type == "cpu" else 1
+        budget = int(free_memory_bytes(c.torch_device) * c.kv_cache_memory_fraction) // sharing
+        by_memory = budget // self.kv_bytes_per_block
         by_demand = c.max_num_seqs * c.blocks_for(self.max_model_len)
         return max(1, min(by_memory, by_demand))
 
@@ -182,7 +219,8 @@ class LLMEngine:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
             seq.metrics.arrival_time = seqs[0].metrics.arrival_time
         seqs[0].forks = seqs[1:]
-        texts = [OutputText(self.tokenizer, ids, params.stop, params.include_stop_str_in_output) for _ in seqs]
+        texts = [OutputText(self.tokenizer, ids, params.stop, params.include_stop_str_in_output, self.detokenizer_cls)
+                 for _ in seqs]
         self.requests[request_id] = Request(request_id, text, ids, seqs, texts, inbox)
         self.scheduler.add(seqs[0])
         return seqs[0]
@@ -253,12 +291,16 @@ class LLMEngine:
         """Run the step's chunks; if that fails, run them one by one and end only the ones that fail."""
         try:
             return self.runner.run(out.chunks, clock), []
+        except WorkerError:  # the ranks are gone: no request can run, so the engine says why
+            raise
         except Exception:
             pass
         tokens, logprobs, ok, failed = [], [], [], []
         for chunk in out.chunks:
             try:
                 result = self.runner.run([chunk])
+            except WorkerError:
+                raise
             except Exception as e:
                 failed.extend(self._fail(chunk.seq, e))
                 continue
@@ -375,6 +417,16 @@ class LLM:
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the engine's tensor-parallel workers, if any (chapter 15)."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @staticmethod
     def _prompt_list(prompts) -> list:

@@ -8,13 +8,21 @@ the chunks into one token batch (input ids, positions and the step's
 attention metadata: slot mapping, block tables, masks), runs the model once,
 computes logits only for the chunks that end at their sequence's last token,
 and samples those (a chunk that forks ``n`` samples gets ``n`` draws).
+
+Under tensor parallelism (chapter 15) every rank runs :meth:`forward_inputs`
+on the same :class:`StepInputs` with its own shard of the model and its own
+KV pool; rank 0 builds them from the chunks and broadcasts them
+(:mod:`minivllm.distributed`), and only rank 0 samples.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from minivllm.attention import PagedBatch, PagedKVCache
+from minivllm.block_manager import slots
 from minivllm.sampler import Sampler, SamplerOutput
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
@@ -22,6 +30,19 @@ from minivllm.sequence import Sequence
 
 def _noop_mark(name: str) -> None:
     pass
+
+
+@dataclass
+class StepInputs:
+    """One step's flat token batch as plain lists: built once from the chunks, turned into tensors per rank."""
+
+    token_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    context_lens: list[int]
+    query_lens: list[int]
+    logits_rows: list[int]  # the flat rows whose logits are sampled (one per sample drawn)
 
 
 class ModelRunner:
@@ -42,17 +63,27 @@ class ModelRunner:
         self.kv_cache.swap(out.swap_out, to_cpu=True)
         self.kv_cache.swap(out.swap_in, to_cpu=False)
 
-    def prepare(self, chunks: list[ScheduledChunk]):
-        """The flat tensors of one step: input ids, positions, the attention metadata, the rows to sample."""
+    def step_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        """The step's flat token batch as plain lists (what rank 0 broadcasts under tensor parallelism)."""
         ids, positions, logits_rows = [], [], []
         for c in chunks:
             ids.extend(c.seq.token_slice(c.start, c.end))
             positions.extend(range(c.start, c.end))
             logits_rows.extend([len(ids) - 1] * len(c.sample_seqs))
-        batch = PagedBatch([c.seq.block_table for c in chunks], [c.end for c in chunks],
-                           [c.num_tokens for c in chunks], self.block_size, self.device, self.num_queries_per_kv)
+        return StepInputs(ids, positions, [slot for c in chunks for slot in c.slots],
+                          [c.seq.block_table for c in chunks], [c.end for c in chunks],
+                          [c.num_tokens for c in chunks], logits_rows)
+
+    def tensors(self, inputs: StepInputs):
+        """Input ids, positions, the attention metadata and the rows to sample, on the device."""
+        batch = PagedBatch(inputs.block_tables, inputs.context_lens, inputs.query_lens, self.block_size, self.device,
+                           self.num_queries_per_kv, inputs.slot_mapping)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(positions), batch, as_tensor(logits_rows)
+        return as_tensor(inputs.token_ids), as_tensor(inputs.positions), batch, as_tensor(inputs.logits_rows)
+
+    def prepare(self, chunks: list[ScheduledChunk]):
+        """The flat tensors of one step: input ids, positions, the attention metadata, the rows to sample."""
+        return self.tensors(self.step_inputs(chunks))
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk], clock=None) -> SamplerOutput:
@@ -64,17 +95,23 @@ class ModelRunner:
         mark = clock.mark if clock is not None else _noop_mark
         if not chunks:
             return SamplerOutput([], [])
-        ids, positions, batch, rows = self.prepare(chunks)
-        mark("prepare")
-        hidden = self.model.forward(ids, positions, self.kv_cache, batch)
-        mark("forward")
-        if len(rows) == 0:
+        logits = self.forward_inputs(self.step_inputs(chunks), mark)
+        if logits is None:
             return SamplerOutput([], [])
-        logits = self.model.compute_logits(hidden[rows])
         seqs = [s for c in chunks for s in c.sample_seqs]
         result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         mark("sample")
         return result
+
+    def forward_inputs(self, inputs: StepInputs, mark=_noop_mark) -> torch.Tensor | None:
+        """One forward over a step's inputs; the logits of the rows that sample (None when no row samples)."""
+        ids, positions, batch, rows = self.tensors(inputs)
+        mark("prepare")
+        hidden = self.model.forward(ids, positions, self.kv_cache, batch)
+        mark("forward")
+        if len(rows) == 0:
+            return None
+        return self.model.compute_logits(hidden[rows])
 
     def run_prefill_chunk(self, seq: Sequence, chunk_token_ids: list[int], start_pos: int) -> int | None:
         """Prefill ``chunk_token_ids`` of ``seq`` at positions ``start_pos`` onward (chapter 09).
@@ -84,7 +121,8 @@ class ModelRunner:
         block table. Exactly what :meth:`run` does for one chunk of a batch.
         Returns the sampled token if the chunk ends the sequence, else None.
         """
-        chunk = ScheduledChunk(seq, start_pos, len(chunk_token_ids))
+        end = start_pos + len(chunk_token_ids)
+        chunk = ScheduledChunk(seq, start_pos, len(chunk_token_ids), slots(seq.block_table, start_pos, end, self.block_size))
         if seq.token_slice(chunk.start, chunk.end) != list(chunk_token_ids):
             raise ValueError("chunk_token_ids must be the sequence's tokens at [start_pos, start_pos + len)")
         out = self.run([chunk])

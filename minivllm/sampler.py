@@ -83,7 +83,7 @@ class Sampler:
 
     ``Sampler(device, seed)`` owns the generator of requests without a seed;
     calling it with a step's logits rows, their params and their generators
-    returns the tokens (and the logprobs asked for).
+    returns the tokens (and the logprobs asked for, :meth:`logprobs`).
     """
 
     def __init__(self, device, seed: int = 0):
@@ -92,6 +92,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SamplerOutput:
         tokens = sample(logits, params, generators, self.generator)
-        logprobs = [None if p.logprobs is None else top_logprobs(logits[i], tokens[i], p.logprobs)
-                    for i, p in enumerate(params)]
-        return SamplerOutput(tokens, logprobs)
+        return SamplerOutput(tokens, self.logprobs(logits, tokens, params))
+
+    def logprobs(self, logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list:
+        """Per row, the sampled and most likely tokens' logprobs when its params ask (``logprobs=k``), else None."""
+        return [None if p.logprobs is None else top_logprobs(logits[i], tokens[i], p.logprobs)
+                for i, p in enumerate(params)]

@@ -56,11 +56,13 @@ S = SequenceStatus
 
 @dataclass
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``seq`` starting at position ``start`` (= its cached_token_count)."""
+    """``num_tokens`` tokens of ``seq`` starting at position ``start`` (= its cached_token_count), and the KV
+    ``slots`` they are written to (from the block manager's slot mapping)."""
 
     seq: Sequence
     start: int
     num_tokens: int
+    slots: list[int]
     samples: bool = field(init=False)  # only a chunk that reaches the sequence's last token samples
     sample_seqs: list[Sequence] = field(init=False)  # who gets a token from its logits: seq, and forks at birth
 
@@ -212,27 +214,27 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(copies=self._copies, copied_into=self._copied_into)
         self._copies, self._copied_into = [], []
-        self._schedule_running(out)
+        self.schedule_running(out)
         if not out.preempted:  # memory is short in a step that had to preempt: admit nothing
-            self._schedule_swapped(out)
-            self._schedule_waiting(out)
+            self.schedule_swapped(out)
+            self.schedule_waiting(out)
         self.step_index += 1
         return out
 
-    def _schedule_running(self, out: SchedulerOutput) -> None:
+    def schedule_running(self, out: SchedulerOutput) -> None:
         """Decodes, then running prefills, each best rank first; blocks are made by preempting lower ranks."""
         for seq in sorted(self.running, key=lambda s: (s.status is not S.RUNNING, s.rank)):
             if seq not in self.running:  # preempted by a sequence before it in this loop
                 continue
-            n = self._num_new_tokens(seq, seq.cached_token_count, out)
-            if n and self._reserve_blocks(seq, seq.cached_token_count + n, out):
-                out.add(ScheduledChunk(seq, seq.cached_token_count, n))
+            n = self.num_new_tokens(seq, seq.cached_token_count, out)
+            if n and self.reserve_blocks(seq, seq.cached_token_count + n, out):
+                out.add(self.chunk(seq, n))
 
-    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+    def schedule_swapped(self, out: SchedulerOutput) -> None:
         """Bring swapped-out sequences back, oldest first, while their blocks and their chunk fit."""
-        while self.swapped and self._has_room(out):
+        while self.swapped and self.has_room(out):
             seq = self.swapped[0]
-            n = self._num_new_tokens(seq, seq.cached_token_count, out)
+            n = self.num_new_tokens(seq, seq.cached_token_count, out)
             pairs = self.block_manager.swap_in(seq, seq.cached_token_count + n) if n else None
             if pairs is None:
                 break
@@ -240,33 +242,31 @@ class Scheduler:
             out.swap_in.extend(pairs)
             out.copied_into.append(seq)
             self._count_swap(seq, len(pairs))
-            self._start(seq, n, out)
+            self.start(seq, n, out)
 
-    def _schedule_waiting(self, out: SchedulerOutput) -> None:
+    def schedule_waiting(self, out: SchedulerOutput) -> None:
         """Admit waiting sequences in queue order: prefix-cache hits and new blocks claimed in one step."""
         bm = self.block_manager
-        while len(self.waiting) and self._has_room(out):
+        while len(self.waiting) and self.has_room(out):
             seq = self.waiting.peek()
             hits = bm.lookup_prefix(seq)
             cached = len(hits) * bm.block_size
-            n = self._num_new_tokens(seq, cached, out)
-            is_new = seq.metrics.first_scheduled_time is None
-            # The watermark keeps headroom for running sequences: none running, nothing to keep.
-            if not n or not bm.allocate(seq, cached + n, hits, watermark=is_new and bool(self.running)):
-                break
+            n = self.num_new_tokens(seq, cached, out)
+            # The watermark keeps headroom for running sequences (new ones only; none running, nothing to keep).
+            watermark = seq.metrics.first_scheduled_time is None and bool(self.running)
+            if not n or not bm.allocate(seq, cached + n, hits, watermark):
+                break  # first come, first served: nobody overtakes a request that does not fit
             self.waiting.pop()
             seq.cached_token_count = cached
             bm.record_prefix_lookup(seq, cached)
-            if is_new:
-                seq.metrics.first_scheduled_time = time.perf_counter()
-                seq.metrics.num_cached_tokens = cached
-            self._start(seq, n, out)
+            self.start(seq, n, out)
 
-    def _has_room(self, out: SchedulerOutput) -> bool:
+    def has_room(self, out: SchedulerOutput) -> bool:
+        """Whether the step has a token and a seat left for one more sequence."""
         return out.num_batched_tokens < self.config.max_num_batched_tokens and \
             len(self.running) < self.config.max_num_seqs
 
-    def _num_new_tokens(self, seq: Sequence, cached: int, out: SchedulerOutput) -> int:
+    def num_new_tokens(self, seq: Sequence, cached: int, out: SchedulerOutput) -> int:
         """How many of ``seq``'s uncomputed tokens run now (0: it waits)."""
         cfg = self.config
         budget = cfg.max_num_batched_tokens - out.num_batched_tokens
@@ -278,16 +278,24 @@ class Scheduler:
         running = seq.status in (S.RUNNING, S.PREFILLING)
         return budget if cfg.enable_chunked_prefill or running or n > cfg.max_num_batched_tokens else 0
 
-    def _start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+    def start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Move a sequence (new, resumed or swapped in) into the running batch with its first chunk."""
-        seq.status = S.PREFILLING
-        if seq.metrics.num_preemptions:  # just resumed: protect it from being evicted again at once
+        m = seq.metrics
+        if m.first_scheduled_time is None:
+            m.first_scheduled_time, m.num_cached_tokens = time.perf_counter(), seq.cached_token_count
+        if m.num_preemptions:  # just resumed: protect it from being evicted again at once
             seq.protected_until_step = self.step_index + self.config.preemption_protection_steps
+        seq.status = S.PREFILLING
         self.running.append(seq)
-        out.add(ScheduledChunk(seq, seq.cached_token_count, n))
+        out.add(self.chunk(seq, n))
+
+    def chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
+        """The next ``n`` uncomputed tokens of ``seq`` (its blocks already cover them)."""
+        start = seq.cached_token_count
+        return ScheduledChunk(seq, start, n, self.block_manager.slot_mapping(seq, start, start + n))
 
     # -- preemption (chapter 10) ---------------------------------------------------------------
-    def _reserve_blocks(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
+    def reserve_blocks(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
         """Grow ``seq``'s blocks to ``num_tokens``, preempting lower ranks; False if ``seq`` had to yield."""
         while not self.block_manager.allocate(seq, num_tokens):
             victim = self.choose_victim(seq)

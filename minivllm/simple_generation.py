@@ -118,17 +118,19 @@ def prefill_chunked(model, ids, chunk_size: int, cache: ContiguousKVCache, start
 
 @torch.inference_mode()
 def generate_cached(model, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None,
-                    prefill_chunk_size: int | None = None) -> GenerationResult:
+                    prefill_chunk_size: int | None = None, cache_cls=ContiguousKVCache) -> GenerationResult:
     """Greedy generation with a contiguous KV cache (chapter 01; chunked prefill, chapter 02).
 
     Prefill runs the prompt once (whole, or ``prefill_chunk_size`` tokens at a
     time) and caches every layer's keys and values; each decode step then feeds
     only the newest token at its position and attends to the cache. Same tokens
     as :func:`generate_naive`, with a per-step cost that barely grows.
+    ``cache_cls`` (a :class:`ContiguousKVCache` subclass) lets chapter 02's
+    exercise run the reader's chunked attention inside the model.
     """
     ids = _prompt_tensor(model, prompt_ids, max_new_tokens)
     device, n = ids.device, len(ids)
-    cache = ContiguousKVCache.for_model(model, n + max_new_tokens)
+    cache = cache_cls.for_model(model, n + max_new_tokens)
     start = now(device)
     logits = prefill_chunked(model, ids, prefill_chunk_size or n, cache, start=0)
     token = int(logits.argmax())

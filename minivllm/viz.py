@@ -378,3 +378,93 @@ def plot_preemption_comparison(rows: dict, axes=None):
         ax.tick_params(axis="x", labelrotation=30)
     plt.tight_layout()
     return axes
+
+
+def _box(ax, xy, text, color="#dce9f5", width=2.6, height=0.8, fontsize=8):
+    x, y = xy
+    ax.add_patch(plt.Rectangle((x - width / 2, y - height / 2), width, height, facecolor=color, edgecolor="#333333",
+                               linewidth=0.8))
+    ax.text(x, y, text, ha="center", va="center", fontsize=fontsize)
+
+
+def _arrow(ax, start, end, text=None, rad=0.0, color="#333333", text_dy=0.18):
+    ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="-|>", color=color, lw=1,
+                                                          connectionstyle=f"arc3,rad={rad}"))
+    if text:
+        ax.text((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + text_dy, text, ha="center", fontsize=7,
+                color=color)
+
+
+def plot_engine_loop(ax=None):
+    """One engine step as a loop: schedule, copy blocks, forward, sample, update, detokenize (chapters 00, 06)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.4))
+    stages = [((1.5, 2.4), "LLM.generate / add_request\nvalidate, queue a Sequence", "#f5e6d3"),
+              ((4.6, 2.4), "Scheduler.schedule()\ndecodes, prefills, admissions\nblocks from the BlockManager",
+               "#dce9f5"),
+              ((7.7, 2.4), "ModelRunner\nblock copies, one forward,\nsample the last rows", "#dff0d8"),
+              ((7.7, 0.6), "Scheduler.update()\nappend tokens, stop, free,\nregister cached blocks", "#dce9f5"),
+              ((4.6, 0.6), "detokenize, stop strings\nRequestOutput (deltas)", "#f5e6d3")]
+    for xy, text, color in stages:
+        _box(ax, xy, text, color, width=2.8, height=1.1)
+    _arrow(ax, (2.9, 2.4), (3.2, 2.4))
+    _arrow(ax, (6.0, 2.4), (6.3, 2.4), "SchedulerOutput", text_dy=0.65)
+    _arrow(ax, (7.7, 1.85), (7.7, 1.15), "sampled ids")
+    _arrow(ax, (6.3, 0.6), (6.0, 0.6))
+    _arrow(ax, (4.6, 1.15), (4.6, 1.85), "next step", color="#888888", text_dy=0.0)
+    _arrow(ax, (3.2, 0.6), (1.5, 1.85), "stream to the caller", rad=-0.2, color="#888888")
+    ax.set_xlim(0, 9.3)
+    ax.set_ylim(-0.1, 3.1)
+    ax.axis("off")
+    ax.set_title("one engine step (LLMEngine.step): every request moves through it together", fontsize=9)
+    return ax
+
+
+def plot_state_machine(ax=None):
+    """A Sequence's states and the transitions between them (chapters 06, 09, 10)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.6))
+    pos = {"WAITING": (1.2, 2.2), "PREFILLING": (4.0, 2.2), "RUNNING": (6.8, 2.2), "FINISHED_*": (9.4, 2.2),
+           "SWAPPED": (5.4, 0.5)}
+    colors = {"WAITING": "#f5e6d3", "PREFILLING": "#dce9f5", "RUNNING": "#dff0d8", "FINISHED_*": "#e6e6e6",
+              "SWAPPED": "#f2dede"}
+    for name, xy in pos.items():
+        _box(ax, xy, name, colors[name], width=1.9, height=0.6, fontsize=8)
+    _arrow(ax, (2.15, 2.3), (3.05, 2.3), "admitted")
+    _arrow(ax, (4.95, 2.3), (5.85, 2.3), "prompt computed")
+    _arrow(ax, (7.75, 2.3), (8.45, 2.3), "stop / length")
+    _arrow(ax, (3.6, 2.55), (4.4, 2.55), "chunk after chunk (chunked prefill)", rad=-1.2, color="#555555",
+           text_dy=0.55)
+    _arrow(ax, (6.8, 1.9), (1.2, 1.9), "preempted: recompute (its KV dropped)", rad=-0.3, color="#aa3333",
+           text_dy=-1.05)
+    _arrow(ax, (6.4, 1.9), (5.8, 0.8), "preempted: swap", color="#aa3333")
+    _arrow(ax, (5.0, 0.8), (4.2, 1.9), "swapped in", color="#aa3333")
+    ax.text(9.4, 1.35, "any state -> ABORTED\n(abort_request) or ERROR\n(the request failed)", ha="center",
+            fontsize=7, color="#555555")
+    ax.set_xlim(0, 10.6)
+    ax.set_ylim(-0.2, 3.4)
+    ax.axis("off")
+    ax.set_title("a Sequence's life: its status after each engine step", fontsize=9)
+    return ax
+
+
+def plot_request_life(outputs, ax=None, title=None):
+    """Each request's life from its own timestamps: waiting, prefill, each token, finish (chapter 00)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.6 + 0.45 * len(outputs)))
+    t0 = min(o.metrics.arrival_time for o in outputs)
+    for row, out in enumerate(outputs):
+        m = out.metrics
+        arrival, scheduled, first = (x - t0 for x in (m.arrival_time, m.first_scheduled_time, m.first_token_time))
+        ax.barh(row, scheduled - arrival, left=arrival, color="#f5e6d3", edgecolor="#999999")
+        ax.barh(row, first - scheduled, left=scheduled, color="#1f77b4")
+        ax.barh(row, m.finish_time - m.first_token_time, left=first, color="#2ca02c", alpha=0.35)
+        ax.plot([t - t0 for t in m.token_times], [row] * len(m.token_times), "|", color="#2ca02c", markersize=9)
+    ax.set_yticks(range(len(outputs)), [o.request_id for o in outputs])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the first request arrived")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#f5e6d3", "#1f77b4", "#2ca02c")]
+    ax.legend(handles, ["waiting", "prefill (until the first token: TTFT)", "decode, one tick per token"],
+              fontsize=7, loc="lower right")
+    ax.set_title(title or "each request's life, from its own timestamps", fontsize=9)
+    return ax

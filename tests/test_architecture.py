@@ -17,7 +17,7 @@ from helpers import greedy, run_engine
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ["config", "sampling_params", "sequence", "outputs", "block_manager", "scheduler", "simulator", "attention", "sampler",
         "detokenizer", "model_runner", "engine", "timing", "preemption", "simple_generation", "models/llama",
-        "models/loader"]
+        "models/loader", "models/parallel", "distributed/workers", "distributed/protocol", "distributed/runner"]
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:
@@ -46,7 +46,8 @@ def test_the_layer_contract_fails_when_a_core_module_imports_a_front_end(tmp_pat
 
 def test_import_minivllm_loads_no_front_end():
     code = ("import minivllm, sys; print(sorted(m for m in sys.modules if m.startswith(('minivllm.bench', "
-            "'minivllm.viz', 'minivllm.exercises', 'minivllm.simulator'))))")
+            "'minivllm.viz', 'minivllm.exercises', 'minivllm.simulator', 'minivllm.serving', 'fastapi', "
+            "'uvicorn', 'prometheus_client'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"
 

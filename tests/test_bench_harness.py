@@ -6,7 +6,8 @@ import time
 import pytest
 
 from minivllm import LLM
-from minivllm.bench import (MachineLimits, PhaseClock, Timer, WORKLOADS, make_workload, poisson_times, roofline,
+from minivllm.bench import (MachineLimits, PhaseClock, ReservingBlockManager, Timer, WORKLOADS, make_workload,
+                            poisson_times, roofline,
                             run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
                             run_static, same_outputs, step_breakdown)
 
@@ -89,6 +90,20 @@ def test_every_rung_and_baseline_gives_the_engines_greedy_tokens(tiny, hf_models
         m = r.metrics()
         assert m.completed == len(w.arrivals) and m.total_output_tokens == sum(w.max_tokens)
         assert m.ttft.p50 > 0 and r.seconds >= m.e2e.max - 1e-6
+
+
+def test_reservation_fits_fewer_requests_than_paging_at_the_same_budget(tiny):
+    """Reserving prompt + max_tokens per request (a contiguous cache's rule, in blocks) against paging."""
+    _, tok = tiny
+    w = make_workload("offline", tok, num_requests=8, prompt_len=(8, 16), output_len=(24, 24))
+    budget = w.kv_blocks_needed(4) // 2
+    reserved = run_engine(w, "tiny-random", block_size=4, num_blocks=budget, max_num_seqs=8,
+                          block_manager_cls=ReservingBlockManager)
+    paged = run_engine(w, "tiny-random", block_size=4, num_blocks=budget, max_num_seqs=8)
+    assert same_outputs(reserved, paged) == len(w.arrivals)
+    peak = lambda r: max(len(s.chunks) for s in r.steps)  # noqa: E731
+    assert peak(reserved) < peak(paged)
+    assert len(reserved.steps) > len(paged.steps)
 
 
 def test_baselines_refuse_workloads_with_arrivals_over_time(tiny):

@@ -222,3 +222,49 @@ def test_every_experiment_still_runs_on_tiny_random(name, capsys):
     out = capsys.readouterr().out
     assert out.startswith("workload:" if name in ("throughput", "interference", "shared-prefix") else "tiny-random")
     assert "identical" in out or name == "throughput"
+
+
+# -- python -m minivllm serve (chapter 13): every engine option is a flag, bad values refused before any model loads
+
+SERVE_CASES = [  # (argv, the flag the message names, words of the allowed range)
+    (["--block-size", "0"], "--block-size", "[1, 1024]"),
+    (["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens", ">= max_num_seqs"),
+    (["--kv-cache-memory-fraction", "2"], "--kv-cache-memory-fraction", "(0, 1]"),
+    (["--preemption-mode", "drop"], "--preemption-mode", "invalid choice"),
+    (["--sampler", "no.such.Sampler"], "--sampler", "importable dotted name"),
+    (["--device", "tpu"], "--device", "available here"),
+    (["--port", "70000"], "--port", "[1, 65535]"),
+    (["--max-queue-size", "-1"], "--max-queue-size", ">= 0"),
+    (["--shutdown-grace", "-1"], "--shutdown-grace", ">= 0"),
+    (["--num-blocks", "many"], "--num-blocks", "invalid int"),
+]
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """Fail the test if ``serve`` builds an engine (loads a model) before refusing its flags."""
+    import minivllm.serving.cli
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("an engine was built before the command line was checked")
+
+    monkeypatch.setattr(minivllm.serving.cli, "LLMEngine", loaded)
+
+
+@pytest.mark.parametrize("argv, flag, allowed", SERVE_CASES, ids=[" ".join(c[0]) for c in SERVE_CASES])
+def test_serve_refuses_bad_flags_before_loading_a_model(argv, flag, allowed, no_engine, capsys):
+    message = refused(main, ["serve", "--model", "tiny-random", *argv], capsys)
+    assert flag in message and allowed in message, message
+
+
+def test_serve_help_documents_every_engine_option(capsys):
+    from minivllm.config import EngineConfig
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    flags = ["--host", "--port", "--max-queue-size", "--shutdown-grace", "--served-model-name"]
+    flags += ["--" + name.replace("_", "-") for name in EngineConfig.field_names()]
+    assert [f for f in flags if f not in text] == []
+    assert "127.0.0.1" in text  # the default: this machine only

@@ -14,8 +14,8 @@ from minivllm.bench.workloads import _blocks_for
 from minivllm.config import available_devices
 
 __all__ = ["positive_int", "nonneg_int", "block_size_int", "top_k_int", "positive_finite_float", "nonneg_finite_float",
-           "probability", "watermark_fraction", "device_name", "writable_file", "MinMax", "add_min_max", "check_token_budget",
-           "bench_parser", "offline_env", "SUBCOMMANDS"]
+           "probability", "watermark_fraction", "device_name", "server_url", "writable_file", "MinMax", "add_min_max",
+           "check_token_budget", "bench_parser", "offline_env", "SUBCOMMANDS"]
 
 
 # -- Checked types: each parses one flag's text or raises ArgumentTypeError saying the allowed range ---------
@@ -59,6 +59,13 @@ def device_name(text: str) -> str:
     if text.split(":")[0] not in available_devices():
         raise argparse.ArgumentTypeError(f"must be a device available here, one of {available_devices()}, got {text!r}")
     return text
+
+
+def server_url(text: str) -> str:
+    """The base URL of an HTTP server, ``http://host:port`` (chapter 13's online benchmark)."""
+    if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:
+        raise argparse.ArgumentTypeError(f"must be a URL like http://127.0.0.1:8000, got {text!r}")
+    return text.rstrip("/")
 
 
 def writable_file(text: str) -> str:
@@ -146,4 +153,4 @@ def _same_outputs(traces) -> bool:
     return all(t.token_ids == first for t in traces[1:])
 
 
-SUBCOMMANDS = ("interference", "shared-prefix", "preemption")  # python -m minivllm.bench NAME (see bench/__init__)
+SUBCOMMANDS = ("interference", "shared-prefix", "preemption", "serving")  # python -m minivllm.bench NAME (bench/__init__)

@@ -18,11 +18,21 @@ __all__ = ["RequestTimes", "ttft", "e2e", "itl", "tpot", "percentile", "Summary"
 
 @dataclass
 class RequestTimes:
-    """A request known only by its times, for tests and for baselines outside the engine."""
+    """A request known only by its times, for tests and for baselines outside the engine.
+
+    Through a server (chapter 13) ``token_times`` are the arrivals of the stream's chunks, and a chunk may
+    carry several tokens: ``num_output_tokens`` is then the server's count (its usage), as ``vllm bench serve``
+    counts them. None: one token per entry of ``token_times``."""
 
     arrival_time: float
     token_times: list[float]
     num_prompt_tokens: int = 0
+    num_output_tokens: int | None = None
+
+
+def _num_output_tokens(r) -> int:
+    n = getattr(r, "num_output_tokens", None)
+    return len(r.token_times) if n is None else n
 
 
 def _tokens(r) -> list[float]:
@@ -57,9 +67,10 @@ def tpot(r) -> float | None:
 
     None with fewer than two tokens or while the engine has not finished the request."""
     t = r.token_times
-    if getattr(r, "finish_time", 0.0) is None or len(t) < 2:
+    n = _num_output_tokens(r)
+    if getattr(r, "finish_time", 0.0) is None or len(t) < 2 or n < 2:
         return None
-    return (t[-1] - t[0]) / (len(t) - 1)
+    return (t[-1] - t[0]) / (n - 1)
 
 
 def percentile(values, q: float) -> float:
@@ -174,7 +185,7 @@ def serving_metrics(requests, duration: float, slo: dict | None = None) -> Servi
         raise ValueError(f"slo keys must be among 'ttft', 'tpot', 'e2e', got {sorted(slo)}")
     done = [r for r in requests if _finished(r)]
     n_in = sum(getattr(r, "num_prompt_tokens", 0) for r in done)
-    n_out = sum(len(r.token_times) for r in done)
+    n_out = sum(map(_num_output_tokens, done))
     return ServingMetrics(
         completed=len(done), duration=duration, total_input_tokens=n_in, total_output_tokens=n_out,
         request_throughput=len(done) / duration, output_throughput=n_out / duration,

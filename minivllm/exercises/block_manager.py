@@ -1,13 +1,17 @@
-"""Chapter 04, the block manager: the check of the reader's slot mapping (where each token's KV lives
-in the paged pool), against the one :class:`minivllm.attention.PagedBatch` builds.
+"""Chapter 04, the block manager: the check of the reader's ``allocate``, ``free`` and ``slot_mapping``
+(a ``BlockManager`` subclass), on targeted cases and then inside the live engine.
 """
 
 from __future__ import annotations
 
-from minivllm.attention import PagedBatch
+from minivllm.block_manager import BlockManager, slots
 from minivllm.exercises._common import _as_id_list
+from minivllm.exercises.live import chat_prompts, check_live, greedy
+from minivllm.models import load_tokenizer
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import Sequence
 
-__all__ = ["check_slot_mapping"]
+__all__ = ["check_block_manager", "check_slot_mapping"]
 
 
 _SLOT_CASES = [  # (block_table, start, end, block_size)
@@ -21,37 +25,135 @@ _SLOT_CASES = [  # (block_table, start, end, block_size)
 ]
 
 
-def check_slot_mapping(fn) -> None:
-    """Check ``fn(block_table, start, end, block_size) -> list[int]``: KV slots of tokens ``[start, end)`` (chapter 04).
+def _seq(rid: str, n: int) -> Sequence:
+    return Sequence(rid, list(range(1, n + 1)), SamplingParams(temperature=0.0))
 
-    Token ``i`` lives in physical block ``block_table[i // block_size]`` at
-    offset ``i % block_size``: slot ``block * block_size + offset``. Compared
-    with the slot mapping :class:`minivllm.attention.PagedBatch` builds.
-    """
+
+def _slot_hint(table, start, end, bs, expected, got) -> str:
+    tokens = list(range(start, end))
+    if len(got) != len(expected):
+        return (f"expected {len(expected)} slots, got {len(got)}: one slot per token in [{start}, {end})"
+                + (" (not from token 0)" if len(got) == end else ""))
+    j = next(j for j, (e, g) in enumerate(zip(expected, got)) if e != g)
+    i = tokens[j]
+    candidates = {
+        "the logical block i // block_size was used as the physical block: look it up in block_table":
+            [t // bs * bs + t % bs for t in tokens],
+        "a slot is block * block_size + offset: the block id was not multiplied by block_size":
+            [table[t // bs] + t % bs for t in tokens],
+        "the offset inside the block is i % block_size": [table[t // bs] * bs for t in tokens],
+    }
+    hint = next((h for h, c in candidates.items() if c == got), "")
+    return (f"token {i} (block_table[{i // bs}] = {table[i // bs]}, offset {i % bs}) should be in slot {expected[j]}, "
+            f"got {got[j]}" + (f"; {hint}" if hint else "") + f"\n  expected {expected}\n  got      {got}")
+
+
+def _check_slots(slot_fn) -> None:
     for table, start, end, bs in _SLOT_CASES:
-        what = f"slot_mapping({table}, start={start}, end={end}, block_size={bs})"
-        expected = PagedBatch([table], [end], [end - start], bs, "cpu").slot_mapping.tolist()
-        got = _as_id_list(fn(list(table), start, end, bs), what)
-        if got == expected:
-            continue
-        tokens = list(range(start, end))
-        if len(got) != len(expected):
-            hint = (f"; one slot per token in [{start}, {end})" + (" (not from token 0)" if len(got) == end else ""))
-            raise AssertionError(f"{what}: expected {len(expected)} slot{'s' * (len(expected) != 1)}, "
-                                 f"got {len(got)}: {got}{hint}")
-        j = next(j for j, (e, g) in enumerate(zip(expected, got)) if e != g)
-        i = tokens[j]
-        candidates = {
-            "the logical block i // block_size was used as the physical block: look it up in block_table":
-                [t // bs * bs + t % bs for t in tokens],
-            "a slot is block * block_size + offset: the block id was not multiplied by block_size":
-                [table[t // bs] + t % bs for t in tokens],
-            "the offset inside the block is i % block_size":
-                [table[t // bs] * bs for t in tokens],
-        }
-        hint = next((h for h, c in candidates.items() if c == got and c != expected), "")
-        raise AssertionError(
-            f"{what}: token {i} (block_table[{i // bs}] = {table[i // bs]}, offset {i % bs}) should be in slot "
-            f"{expected[j]}, got {got[j]}" + (f"; {hint}" if hint else "") +
-            f"\n  expected {expected}\n  got      {got}")
-    print(f"check_slot_mapping: all {len(_SLOT_CASES)} cases match PagedBatch's slot mapping.")
+        what = f"slot_mapping(block_table={table}, start={start}, end={end}) with block_size={bs}"
+        expected = slots(table, start, end, bs)
+        got = _as_id_list(slot_fn(list(table), start, end, bs), what)
+        if got != expected:
+            raise AssertionError(f"{what}: {_slot_hint(table, start, end, bs, expected, got)}")
+
+
+def check_slot_mapping(fn) -> None:
+    """Check ``fn(block_table, start, end, block_size) -> list[int]``: KV slots of tokens ``[start, end)`` (chapter 04)."""
+    _check_slots(fn)
+    print(f"check_slot_mapping: all {len(_SLOT_CASES)} cases match the block manager's slot mapping.")
+
+
+def _expect(ok: bool, what: str, hint: str) -> None:
+    if not ok:
+        raise AssertionError(f"{what}: {hint}")
+
+
+def _invariants(bm, seqs, what: str) -> None:
+    try:
+        bm.check_invariants(seqs)
+    except AssertionError as e:
+        raise AssertionError(f"{what}: the pool is inconsistent afterwards ({e})") from None
+
+
+def _check_growth(cls) -> None:
+    bm, a = cls(8, 4), _seq("a", 10)
+    _expect(bm.allocate(a, 10) is True, "allocate(a, 10) on an empty pool of 8 blocks", "should return True")
+    _expect(len(a.block_table) == 3, f"allocate(a, 10) with block_size 4 gave {len(a.block_table)} blocks",
+            "10 tokens need ceil(10 / 4) = 3 blocks: a partly filled block is still a block")
+    _expect(bm.num_free_blocks == 5, "after allocate(a, 10)", f"5 of 8 blocks should be free, {bm.num_free_blocks} are")
+    bm.allocate(a, 12)
+    _expect(len(a.block_table) == 3, f"allocate(a, 12) after allocate(a, 10) left {len(a.block_table)} blocks",
+            "12 tokens still fit in the 3 blocks a holds: allocate only the blocks the table lacks")
+    bm.allocate(a, 13)
+    _expect(len(a.block_table) == 4, f"allocate(a, 13) left {len(a.block_table)} blocks",
+            "the 13th token needs a 4th block")
+    _invariants(bm, [a], "allocate(a, 10), (a, 12), (a, 13)")
+
+
+def _check_all_or_nothing(cls) -> None:
+    bm, a, b = cls(4, 4), _seq("a", 12), _seq("b", 8)
+    bm.allocate(a, 12)
+    result = bm.allocate(b, 8)
+    _expect(result is False, "allocate(b, 8) needs 2 blocks with 1 free", f"should return False, returned {result!r}")
+    _expect(b.block_table == [] and bm.num_free_blocks == 1, "allocate(b, 8) with 1 free block of the 2 it needs",
+            "all or nothing: when the pool cannot cover the request, take nothing and return False")
+    _invariants(bm, [a, b], "a refused allocate")
+
+
+def _check_sharing(cls) -> None:
+    bm, a, b = cls(8, 4), _seq("a", 9), _seq("b", 12)
+    bm.allocate(a, 9)
+    shared = a.block_table[:2]
+    _expect(bm.allocate(b, 12, cached_blocks=shared) is True, "allocate(b, 12, cached_blocks=<a's first 2 blocks>)",
+            "should return True")
+    _expect(b.block_table[:2] == shared and len(b.block_table) == 3,
+            f"allocate(b, 12, cached_blocks={shared}) gave b the table {b.block_table}",
+            "claim cached_blocks first (self.claim(block)), in order, then take only the blocks still missing")
+    _expect([bm.blocks[x].ref_count for x in shared] == [2, 2], "after b shares a's first two blocks",
+            "a shared block's ref_count counts its owners (2 here)")
+    _invariants(bm, [a, b], "sharing two blocks")
+    bm.free(a)
+    _expect(a.block_table == [], "free(a)", "the sequence's block_table must be empty afterwards")
+    _expect([bm.blocks[x].ref_count for x in shared] == [1, 1] and bm.num_free_blocks == 5,
+            f"free(a) while b shares two of its blocks left {bm.num_free_blocks} free blocks",
+            "a shared block loses one reference and stays allocated while b holds it; only a's own block is free")
+    _invariants(bm, [b], "free(a) with shared blocks")
+    bm.free(b)
+    _expect(bm.num_free_blocks == 8, "free(b) after free(a)", "every block should be free again")
+    _invariants(bm, [], "freeing everything")
+
+
+def _check_watermark(cls) -> None:
+    bm, a, b = cls(8, 4, watermark=0.5), _seq("a", 16), _seq("b", 4)  # keep 4 of 8 blocks free for admissions
+    _expect(bm.allocate(a, 16, watermark=True) is True, "allocate(a, 16, watermark=True) with a watermark of 4 blocks",
+            "it leaves exactly 4 of 8 blocks free, which the watermark allows")
+    _expect(bm.allocate(b, 4, watermark=True) is False and b.block_table == [],
+            "allocate(b, 4, watermark=True) would leave 3 free blocks, under the watermark of 4",
+            "with watermark=True refuse an allocation that leaves fewer than self.watermark_blocks free")
+    _expect(bm.allocate(b, 4) is True, "allocate(b, 4) without the watermark", "a running sequence may use the headroom")
+    _invariants(bm, [a, b], "the watermark cases")
+
+
+def check_block_manager(cls) -> None:
+    """Check a ``BlockManager`` subclass's ``allocate``, ``free`` and ``slot_mapping`` (chapter 04).
+
+    Targeted cases first (ceil division, growing a table, all or nothing,
+    shared blocks and ref counts, the watermark, the slot of every token),
+    then the live engine on SmolLM2 with the class as its block manager.
+    """
+    _check_growth(cls)
+    _check_all_or_nothing(cls)
+    _check_sharing(cls)
+    _check_watermark(cls)
+    _check_slots(lambda table, start, end, bs: cls(max(table) + 1, bs).slot_mapping(_with_table(table, end), start, end))
+    print("check_block_manager: growth, all or nothing, sharing, the watermark and the slot mapping are right.")
+    tok = load_tokenizer("smollm2-135m")
+    requests = [(f"r{i}", p, greedy(8)) for i, p in enumerate(chat_prompts(tok, 3))]
+    check_live("your block manager", requests, block_size=4, num_blocks=160, max_num_seqs=4,
+               parts={"block_manager_cls": cls}, tokenizer=tok)
+
+
+def _with_table(table: list[int], num_tokens: int) -> Sequence:
+    seq = Sequence("t", [1] * num_tokens, SamplingParams())
+    seq.block_table = list(table)
+    return seq

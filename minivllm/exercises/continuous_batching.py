@@ -1,114 +1,117 @@
-"""Chapter 06, continuous batching: the check of the reader's scheduling step (decodes first, then
-waiting prompts in arrival order while tokens and seats last), against minivllm's scheduler.
+"""Chapter 06, continuous batching: the check of the reader's scheduler passes ``schedule_running`` (decodes
+first) and ``schedule_waiting`` (admission under the token, sequence and block budgets), a ``Scheduler``
+subclass, on targeted steps and then inside the live engine, schedule for schedule.
 """
 
 from __future__ import annotations
 
-import random
-
-from minivllm.block_manager import BlockManager
-from minivllm.config import EngineConfig
+from minivllm.exercises.live import chat_prompts, check_live, greedy
+from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
-from minivllm.scheduler import Scheduler
-from minivllm.sequence import Sequence, SequenceStatus
+from minivllm.sequence import Sequence
+from minivllm.simulator import make_scheduler
 
-__all__ = ["check_schedule_step", "reference_schedule_step"]
+__all__ = ["check_scheduler"]
 
 
-def reference_schedule_step(running: list[str], waiting: list[tuple[str, int]], token_budget: int,
-                            max_num_seqs: int) -> list[tuple[str, int]]:
-    """One step of minivllm's own :class:`~minivllm.scheduler.Scheduler` on the exercise's simplified state.
+def _seq(rid: str, n: int, first: int = 1, max_tokens: int = 50) -> Sequence:
+    return Sequence(rid, list(range(first, first + n)), SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
-    ``running`` are request ids that decode (one token each); ``waiting`` are
-    ``(request id, prompt length)`` in arrival order. Plenty of KV blocks, no
-    chunked prefill. Returns the step's batch as ``(request id, num_tokens)``.
+
+def _step(scheduler) -> list[tuple[str, int, int]]:
+    """One step with a fake model that samples token 7: the chunks as (request id, start, num_tokens)."""
+    out = scheduler.schedule()
+    scheduler.update(out, [7] * sum(len(c.sample_seqs) for c in out.chunks))
+    scheduler.block_manager.check_invariants(scheduler.sequences)
+    return [(c.seq.request_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def _expect_step(scheduler, expected, what: str, hint: str) -> None:
+    try:
+        got = _step(scheduler)
+    except Exception as e:  # a broken invariant, or the reader's code failing on this case
+        if any(not s.block_table for s in scheduler.running):
+            hint = ("a sequence was admitted without blocks for its tokens: claim them with "
+                    "self.block_manager.allocate(...) first, and wait when it returns False")
+        raise AssertionError(f"{what}: the step failed ({type(e).__name__}: {e}); {hint}") from None
+    if got != expected:
+        raise AssertionError(f"{what}:\n  expected the step {expected} (request, start, tokens)\n  got      {got}\n"
+                             f"  {hint}")
+
+
+def _decodes_first(cls) -> None:
+    s = make_scheduler(64, 4, scheduler_cls=cls, max_num_batched_tokens=8, max_num_seqs=4, enable_chunked_prefill=True,
+                       max_prefill_chunk_size=8)
+    s.add(_seq("a", 2))
+    _step(s)  # a's prompt: a now decodes
+    s.add(_seq("b", 30, first=100))
+    _step(s)  # a decodes, b starts its prompt: b is PREFILLING
+    _expect_step(s, [("a", 3, 1), ("b", 7, 7)], "a decodes while b's 30-token prompt continues, budget 8",
+                 "decodes first: every RUNNING sequence gets its one token before a PREFILLING one continues")
+
+
+def _first_come_first_served(cls) -> None:
+    s = make_scheduler(64, 4, scheduler_cls=cls, max_num_batched_tokens=10, max_num_seqs=4)
+    s.add(_seq("a", 3))
+    _step(s)
+    s.add(_seq("big", 10, first=100)), s.add(_seq("small", 3, first=200))
+    _expect_step(s, [("a", 3, 1)], "a decodes (1 token of 10); big (10 tokens) does not fit, small (3) would",
+                 "first come, first served: stop at the first waiting request that does not fit; a smaller one "
+                 "behind it may not overtake it")
+
+
+def _seat_budget(cls) -> None:
+    s = make_scheduler(64, 4, scheduler_cls=cls, max_num_batched_tokens=64, max_num_seqs=2)
+    s.add(_seq("a", 3))
+    _step(s)
+    s.add(_seq("c", 2, first=100)), s.add(_seq("d", 2, first=200))
+    _expect_step(s, [("a", 3, 1), ("c", 0, 2)], "a decodes, c and d wait, max_num_seqs=2",
+                 "at most max_num_seqs sequences run at once: admit while len(self.running) < max_num_seqs")
+
+
+def _token_budget(cls) -> None:
+    s = make_scheduler(64, 4, scheduler_cls=cls, max_num_batched_tokens=12, max_num_seqs=8)
+    for i in range(3):
+        s.add(_seq(f"p{i}", 5, first=100 * i + 1))
+    _expect_step(s, [("p0", 0, 5), ("p1", 0, 5)], "three 5-token prompts, max_num_batched_tokens=12",
+                 "budget overrun: the step holds at most max_num_batched_tokens tokens, counting those already "
+                 "scheduled (out.num_batched_tokens); self.num_new_tokens(seq, cached, out) says 0 when it does not fit")
+
+
+def _block_budget(cls) -> None:
+    s = make_scheduler(4, 4, scheduler_cls=cls, max_num_batched_tokens=64, max_num_seqs=4)
+    s.add(_seq("a", 11))
+    _step(s)  # a holds 3 of the 4 blocks
+    s.add(_seq("b", 8, first=100))
+    _expect_step(s, [("a", 11, 1)], "a decodes in 3 of 4 blocks; b's prompt needs 2 blocks",
+                 "claim the blocks with self.block_manager.allocate(...) and wait when it returns False")
+    if s.sequences[-1].block_table:
+        raise AssertionError("b was refused but holds blocks: admit only after allocate succeeded")
+
+
+def _prefix_hits(cls) -> None:
+    s = make_scheduler(64, 4, scheduler_cls=cls, max_num_batched_tokens=64, max_num_seqs=4, enable_prefix_caching=True)
+    s.add(_seq("first", 13, max_tokens=1))
+    _step(s)  # first finishes; its 3 full blocks stay in the prefix cache
+    s.add(_seq("again", 13, max_tokens=1))
+    _expect_step(s, [("again", 12, 1)], "the same 13-token prompt again, prefix caching on",
+                 "look the prompt up first (hits = self.block_manager.lookup_prefix(seq)), give the hits to allocate, "
+                 "and start after them (seq.cached_token_count = len(hits) * block_size)")
+
+
+def check_scheduler(cls) -> None:
+    """Check a ``Scheduler`` subclass's ``schedule_running`` and ``schedule_waiting`` (chapter 06).
+
+    One targeted step per rule (decodes first, first come first served, the
+    sequence, token and block budgets, prefix-cache hits), with a fake model;
+    then the live engine on SmolLM2, where every step must schedule exactly
+    what minivllm's scheduler schedules.
     """
-    config = EngineConfig(model="tiny-random", max_num_seqs=max_num_seqs, max_num_batched_tokens=token_budget)
-    blocks = 2 * len(running) + sum(config.blocks_for(n) for _, n in waiting) + 1
-    bm = BlockManager(blocks, config.block_size)
-    scheduler = Scheduler(config, bm, max_model_len=10**6)
-    params = SamplingParams(temperature=0.0, max_tokens=1000)
-    for rid in running:  # a 4-token prompt and one generated token whose KV is not cached yet
-        seq = Sequence(rid, [1, 2, 3, 4], params)
-        seq.output_token_ids = [5]
-        seq.cached_token_count = 4
-        bm.allocate(seq, 5)
-        seq.status = SequenceStatus.RUNNING
-        scheduler.running.append(seq)
-    for rid, n in waiting:
-        scheduler.add(Sequence(rid, [1] * n, params))
-    return [(c.seq.request_id, c.num_tokens) for c in scheduler.schedule().chunks]
-
-
-_SCHEDULE_CASES = [  # (running, waiting, token_budget, max_num_seqs)
-    (["a", "b"], [("c", 5), ("d", 3)], 16, 4),  # everything fits
-    (["a", "b", "c"], [("d", 2), ("e", 2)], 64, 4),  # one seat left
-    (["a", "b", "c"], [("d", 14)], 16, 8),  # the decodes use 3 of the 16 tokens: 14 do not fit
-    (["a", "b"], [("c", 14)], 16, 8),  # exactly fills the budget: admitted
-    ([], [("a", 10), ("b", 20), ("c", 2)], 24, 8),  # b does not fit: c may not overtake it
-    ([], [("a", 8), ("b", 8), ("c", 1)], 16, 8),  # the budget is used up exactly
-    (["a", "b"], [("c", 1)], 8, 2),  # no seat at all
-    (["a", "b", "c"], [], 8, 4),  # nothing waiting
-    ([], [], 8, 4),  # nothing at all
-    ([], [("a", 3), ("b", 3), ("c", 3), ("d", 3)], 64, 3),  # seats run out before tokens
-    (["x"], [("a", 7), ("b", 1)], 8, 4),  # a fills the budget to the last token, b waits
-]
-
-
-def _random_schedule_cases(num: int, seed: int = 0):
-    rng = random.Random(seed)
-    cases = []
-    for _ in range(num):
-        seqs = rng.randint(1, 6)
-        budget = rng.randint(seqs, 40)
-        running = [f"r{i}" for i in range(rng.randint(0, seqs))]
-        waiting = [(f"w{i}", rng.randint(1, budget)) for i in range(rng.randint(0, 6))]
-        cases.append((running, waiting, budget, seqs))
-    return cases
-
-
-def _schedule_hint(running, waiting, budget, seqs, expected, got) -> str:
-    got_ids = [rid for rid, _ in got]
-    tokens = sum(n for _, n in got)
-    if tokens > budget:
-        return f"the batch holds {tokens} tokens, over token_budget={budget} (decode tokens count too)"
-    if len(got) > seqs:
-        return f"the batch holds {len(got)} requests, over max_num_seqs={seqs} (running requests hold seats too)"
-    if got_ids[:len(running)] != list(running) and set(running) <= set(got_ids):
-        return "decodes come first: every running request gets its 1 token before any waiting request"
-    if not set(running) <= set(got_ids):
-        return "every running request decodes 1 token in every step (they always fit)"
-    prompt = dict(waiting)
-    if any(rid in prompt and n != prompt[rid] for rid, n in got):
-        return "a waiting request is admitted whole: num_tokens is its prompt length"
-    admitted = [rid for rid in got_ids if rid in prompt]
-    order = [rid for rid, _ in waiting]
-    if admitted != order[:len(admitted)]:
-        return ("first come, first served: stop at the first waiting request that does not fit, "
-                "never skip it for a later, smaller one")
-    if len(admitted) < len(order) and [rid for rid, _ in expected] != got_ids:
-        rid = order[len(admitted)]
-        return (f"{rid!r} fits ({tokens} + {prompt[rid]} <= {budget} tokens, "
-                f"{len(got)} < {seqs} requests) but was not admitted")
-    return "compare the batches above"
-
-
-def check_schedule_step(fn) -> None:
-    """Check ``fn(running, waiting, token_budget, max_num_seqs) -> [(request id, num_tokens), ...]`` (chapter 06).
-
-    Compared with one step of minivllm's own scheduler
-    (:func:`reference_schedule_step`) on hand-made cases and 60 random ones.
-    """
-    cases = _SCHEDULE_CASES + _random_schedule_cases(60)
-    for running, waiting, budget, seqs in cases:
-        what = f"schedule_step(running={running}, waiting={waiting}, token_budget={budget}, max_num_seqs={seqs})"
-        expected = reference_schedule_step(running, waiting, budget, seqs)
-        got = fn(list(running), [tuple(w) for w in waiting], budget, seqs)
-        try:
-            got = [(str(rid), int(n)) for rid, n in got]
-        except (TypeError, ValueError):
-            raise AssertionError(f"{what}: expected a list of (request id, num_tokens) pairs, got {got!r}") from None
-        if got != expected:
-            raise AssertionError(f"{what}:\n  expected {expected}\n  got      {got}\n  "
-                                 f"{_schedule_hint(running, waiting, budget, seqs, expected, got)}")
-    print(f"check_schedule_step: all {len(cases)} cases match minivllm's scheduler.")
+    for case in (_token_budget, _seat_budget, _first_come_first_served, _block_budget, _prefix_hits, _decodes_first):
+        case(cls)
+    print("check_scheduler: decodes first, first come first served, the sequence, token and block budgets and "
+          "prefix-cache hits are right.")
+    tok = load_tokenizer("smollm2-135m")
+    requests = [(f"r{i}", p, greedy(6)) for i, p in enumerate(chat_prompts(tok, 5))]
+    check_live("your scheduler", requests, parts={"scheduler_cls": cls}, tokenizer=tok, same_schedule=True,
+               block_size=16, num_blocks=64, max_num_seqs=2, max_num_batched_tokens=512)

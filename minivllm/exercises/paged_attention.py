@@ -1,138 +1,188 @@
-"""Chapter 05, paged attention: the checks of the reader's KV gather through a block table and of
-one decode token's grouped-query attention over a paged pool, against contiguous attention.
+"""Chapter 05, paged attention: the check of the reader's attention backend, a ``PagedKVCache`` subclass
+whose ``forward(layer, q, k, v, positions, batch)`` writes a step's keys and values through the slot mapping
+and attends each group of the step's ``PagedBatch`` through its block tables. Targeted steps on small random
+pools against one ``ContiguousKVCache`` per sequence, then the live engine on SmolLM2.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import torch
 
-from minivllm.attention import attend
+from minivllm.attention import ContiguousKVCache, PagedBatch, PagedKVCache
+from minivllm.block_manager import slots
+from minivllm.exercises.live import chat_prompts, check_live, greedy
+from minivllm.models import load_tokenizer
 
-__all__ = ["check_gather_kv", "check_paged_decode_attention"]
+__all__ = ["check_paged_attention"]
+
+LAYERS, LAYER = 2, 1  # the step runs layer 1 of 2: layer 0's pools must stay untouched
 
 
-_GATHER_CASES = [  # (num_blocks, block_size, kv_heads, head_dim, block_table, context_len)
-    (8, 4, 2, 3, [5, 1, 6], 10),
-    (8, 4, 2, 3, [3], 1),
-    (8, 4, 1, 2, [7, 0], 8),       # context fills its blocks exactly
-    (16, 2, 3, 4, [9, 2, 14, 0, 5], 9),
-    (6, 1, 2, 2, [4, 1, 3], 3),    # block_size 1
+@dataclasses.dataclass
+class _Case:
+    what: str
+    heads: int
+    kv_heads: int
+    block_size: int
+    seqs: list[tuple[int, int]]  # (query_len, context_len) per sequence, in the step's flat order
+    head_dim: int = 8
+    seed: int = 0
+
+
+_CASES = [
+    _Case("one prompt prefilled from scratch", 4, 2, 4, [(6, 6)]),
+    _Case("a decode and a prefill chunk (chapter 05's picture)", 6, 2, 4, [(1, 9), (5, 13)], seed=1),
+    _Case("two decodes, a fresh prompt and a prefill chunk, mixed", 6, 2, 4, [(1, 9), (1, 17), (7, 7), (5, 13)], seed=2),
+    _Case("several groups: a long decode split from short ones, prefill chunks of different lengths", 6, 3, 4,
+          [(1, 3), (2, 10), (1, 6), (1, 300), (3, 3), (1, 5), (4, 21)], seed=3),
+    _Case("multi-head attention (one query head per KV head), block size 1", 3, 3, 1, [(1, 4), (3, 5), (2, 2)], seed=4),
 ]
 
 
-def _gather_reference(pool, table, context_len):
-    return pool[torch.tensor(table, dtype=torch.long)].flatten(0, 1)[:context_len]
+class _Step:
+    """One step of a case: pools holding each sequence's history (and stale values elsewhere), its batch and tensors."""
+
+    def __init__(self, case: _Case, cls):
+        g = torch.Generator().manual_seed(case.seed)
+        h, kvh, d, bs = case.heads, case.kv_heads, case.head_dim, case.block_size
+        need = [math.ceil(c / bs) for _, c in case.seqs]
+        self.num_blocks = sum(need) + 2
+        order = torch.randperm(self.num_blocks, generator=g).tolist()  # scattered tables, not in order
+        self.tables = [[order.pop() for _ in range(n)] for n in need]
+        self.case, self.cache = case, cls(LAYERS, self.num_blocks, bs, kvh, d)
+        self.cache.k.copy_(torch.randn(self.cache.k.shape, generator=g))  # stale values in every slot
+        self.cache.v.copy_(torch.randn(self.cache.v.shape, generator=g))
+        self.qkv = [(torch.randn(c, h, d, generator=g), torch.randn(c, kvh, d, generator=g),
+                     torch.randn(c, kvh, d, generator=g)) for _, c in case.seqs]
+        for (n, c), table, (_, k, v) in zip(case.seqs, self.tables, self.qkv):  # earlier steps wrote the history
+            history = torch.tensor(slots(table, 0, c - n, bs), dtype=torch.long)
+            self.cache.k[LAYER].view(-1, kvh, d)[history] = k[: c - n]
+            self.cache.v[LAYER].view(-1, kvh, d)[history] = v[: c - n]
+        self.batch = PagedBatch(self.tables, [c for _, c in case.seqs], [n for n, _ in case.seqs], bs, "cpu", h // kvh)
+        self.q, self.k, self.v = (torch.cat([t[x][c - n:] for (n, c), t in zip(case.seqs, self.qkv)]) for x in range(3))
+        self.positions = torch.tensor([p for n, c in case.seqs for p in range(c - n, c)])
+        self.pools_before = self.cache.k.clone(), self.cache.v.clone()
+
+    def expected(self) -> torch.Tensor:
+        """One contiguous cache per sequence, fed its history and then this step's queries."""
+        c_ = self.case
+        outs = []
+        for (n, c), (q, k, v) in zip(c_.seqs, self.qkv):
+            cache = ContiguousKVCache(1, c_.kv_heads, c_.head_dim, c)
+            if c > n:
+                cache.forward(0, q[: c - n], k[: c - n], v[: c - n], torch.arange(c - n))
+            outs.append(cache.forward(0, q[c - n:], k[c - n:], v[c - n:], torch.arange(c - n, c)))
+        return torch.cat(outs)
+
+    def minivllm(self, q=None, k=None, v=None, batch=None) -> torch.Tensor:
+        """minivllm's own forward on a copy of the pools as they were before the step."""
+        c_ = self.case
+        cache = PagedKVCache(LAYERS, self.num_blocks, c_.block_size, c_.kv_heads, c_.head_dim)
+        cache.k.copy_(self.pools_before[0])
+        cache.v.copy_(self.pools_before[1])
+        return cache.forward(LAYER, self.q if q is None else q, self.k if k is None else k,
+                             self.v if v is None else v, self.positions, batch or self.batch)
+
+    def mistakes(self) -> dict[str, torch.Tensor]:
+        """What characteristic mistakes compute on this step, by the hint that names them."""
+        c_ = self.case
+        kvh, d = c_.kv_heads, c_.head_dim
+        flat_k, flat_v = (p[LAYER].view(-1, kvh, d) for p in self.pools_before)
+        out = {"the keys were read before this step's keys and values were written: write them through "
+               "batch.slot_mapping first, then gather (a query must see its own key)":
+               self.minivllm(k=flat_k[self.batch.slot_mapping], v=flat_v[self.batch.slot_mapping])}
+        ones = [dataclasses.replace(g, mask=torch.ones_like(g.mask), folded_mask=torch.ones_like(g.folded_mask))
+                for g in self.batch.groups]
+        out["the mask was ignored: each query may see only its sequence's keys up to its own position "
+            "(g.mask; whole blocks hold unwritten slots and padding)"] = self.minivllm(batch=_with_groups(self.batch, ones))
+        flipped = [dataclasses.replace(g, mask=~g.mask, folded_mask=~g.folded_mask) for g in self.batch.groups]
+        out["the mask is flipped: True in g.mask means 'may attend' (scores.masked_fill(~mask, -inf))"] = \
+            self.minivllm(batch=_with_groups(self.batch, flipped))
+        if c_.heads > kvh:
+            perm = sorted(range(c_.heads), key=lambda i: (i % kvh, i))  # query head h reads KV head h % kv_heads
+            tiled = torch.empty_like(self.q)
+            tiled[:, perm] = self.minivllm(q=self.q[:, perm])
+            out["query head h reads KV head h // (heads // kv_heads) (repeat_interleave), not h % kv_heads "
+                "(repeat)"] = tiled
+        return out
 
 
-def _pool(num_blocks, bs, kvh, d, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(num_blocks, bs, kvh, d, generator=g)
+def _with_groups(batch: PagedBatch, groups) -> PagedBatch:
+    other = PagedBatch.__new__(PagedBatch)
+    other.__dict__.update(batch.__dict__, groups=groups)
+    return other
 
 
-def check_gather_kv(fn) -> None:
-    """Check ``fn(pool, block_table, context_len) -> [context_len, kv_heads, head_dim]`` (chapter 05).
+def _padding_targets(batch: PagedBatch) -> set[int]:
+    return {int(i) for g in batch.groups for i in g.query_index[~g.valid]}
 
-    ``pool`` is one layer's K (or V) pool ``[num_blocks, block_size, kv_heads,
-    head_dim]``; the result lists the sequence's keys in token order, read
-    through its block table. A pure copy, so it must match exactly.
-    """
-    for n, (nb, bs, kvh, d, table, ctx) in enumerate(_GATHER_CASES):
-        pool = _pool(nb, bs, kvh, d, seed=n)
-        what = f"gather_kv(pool {list(pool.shape)}, block_table={table}, context_len={ctx})"
-        expected = _gather_reference(pool, table, ctx)
-        got = fn(pool.clone(), list(table), ctx)
-        if not isinstance(got, torch.Tensor):
-            raise AssertionError(f"{what}: expected a torch.Tensor, got {type(got).__name__}")
-        if tuple(got.shape) != tuple(expected.shape):
-            hint = ""
-            if got.dim() == 3 and got.shape[0] == len(table) * bs and ctx != len(table) * bs:
-                hint = f" (the last block holds only {ctx - (len(table) - 1) * bs} real tokens: keep the first context_len)"
-            elif got.dim() == 4:
-                hint = " (flatten the block and offset axes into one token axis)"
-            elif tuple(got.shape) == (kvh, ctx, d):
-                hint = " (token axis first: [context_len, kv_heads, head_dim])"
-            raise AssertionError(f"{what}: expected shape {tuple(expected.shape)}, got {tuple(got.shape)}{hint}")
-        if torch.equal(got.cpu(), expected):
-            continue
-        tok = int((got.cpu() != expected).flatten(1).any(1).nonzero()[0])
+
+def _hint(step: _Step, got: torch.Tensor, expected: torch.Tensor) -> str:
+    if torch.isnan(got).any():
+        return ("some outputs are NaN: a query row saw no key; is the mask flipped? True in g.mask means "
+                "'may attend' (scores.masked_fill(~mask, -inf))")
+    for hint, wrong in step.mistakes().items():
+        if torch.allclose(got, wrong, atol=1e-5):
+            return hint
+    rows = {int(r) for r in ((got - expected).abs() > 1e-5).flatten(1).any(1).nonzero().flatten()}
+    if rows and rows <= _padding_targets(step.batch):
+        return (f"the output of token(s) {sorted(rows)} was overwritten by padding rows (valid False, query_index 0): "
+                f"drop them: out[g.out_index] = o[g.valid]")
+    return "each token's output must equal attention over its own sequence's keys up to its position"
+
+
+def _check_step(cls, case: _Case) -> None:
+    step = _Step(case, cls)
+    what = f"{case.what} (query, context lengths {case.seqs}, {case.heads} heads, {case.kv_heads} KV heads, " \
+           f"block size {case.block_size})"
+    try:
+        got = step.cache.forward(LAYER, step.q.clone(), step.k.clone(), step.v.clone(), step.positions, step.batch)
+    except (RuntimeError, IndexError) as e:
         hint = ""
-        if torch.equal(got.cpu(), pool.flatten(0, 1)[:ctx]):
-            hint = "; it reads blocks 0, 1, 2... in order: the block table says which physical block holds each logical block"
-        elif torch.equal(got.cpu(), _gather_reference(pool, sorted(table), ctx)):
-            hint = "; the blocks come out sorted: keep the block table's order (it is token order)"
-        raise AssertionError(
-            f"{what}: token {tok} (logical block {tok // bs} = physical block {table[tok // bs]}, offset {tok % bs}) "
-            f"differs{hint}")
-    print(f"check_gather_kv: all {len(_GATHER_CASES)} block tables gather exactly the right keys.")
+        if "shape" in str(e) or "size" in str(e):
+            hint = ("; a group's attention output has B x Lq rows, padding rows included: keep o[g.valid] for "
+                    "out[g.out_index]")
+        raise AssertionError(f"{what}: forward raised {type(e).__name__}: {str(e).splitlines()[0]}{hint}") from None
+    expected = step.expected()
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+        raise AssertionError(f"{what}: forward must return [tokens, heads, head_dim] = {tuple(expected.shape)}, "
+                             f"like q; got {shape}")
+    err = (got - expected).abs().max().item()
+    if not err <= 1e-5:
+        raise AssertionError(f"{what}: the output differs from one ContiguousKVCache per sequence by up to {err:.3g} "
+                             f"(tolerance 1e-5); {_hint(step, got, expected)}")
+    kvh, d = case.kv_heads, case.head_dim
+    for name, pool, new, before in (("keys", step.cache.k, step.k, step.pools_before[0]),
+                                    ("values", step.cache.v, step.v, step.pools_before[1])):
+        if not torch.equal(pool[LAYER].view(-1, kvh, d)[step.batch.slot_mapping], new):
+            raise AssertionError(f"{what}: after forward the step's {name} are not in layer {LAYER}'s pool at "
+                                 f"batch.slot_mapping: later steps read them from there (self.k[layer], self.v[layer])")
+        if not torch.equal(pool[1 - LAYER], before[1 - LAYER]):
+            raise AssertionError(f"{what}: forward for layer {LAYER} changed layer {1 - LAYER}'s pool: write into "
+                                 f"self.k[layer] and self.v[layer] only")
 
 
-_DECODE_ATTN_CASES = [  # (num_blocks, block_size, heads, kv_heads, head_dim, block_table, context_len)
-    (8, 4, 6, 2, 8, [5, 1, 6], 10),   # GQA: 3 query heads per KV head, last block partly filled
-    (8, 4, 4, 4, 8, [2, 7], 8),       # plain multi-head attention, blocks full
-    (8, 4, 9, 3, 16, [3], 1),         # the first decode token: one key
-    (32, 16, 9, 3, 64, [30, 4, 17, 8], 50),  # SmolLM2's head layout
-]
+def check_paged_attention(cls) -> None:
+    """Check a ``PagedKVCache`` subclass's ``forward`` (chapter 05).
 
-
-def _decode_attn_reference(q, k_pool, v_pool, table, ctx):
-    k = _gather_reference(k_pool, table, ctx).transpose(0, 1)  # [kv_heads, ctx, d]
-    v = _gather_reference(v_pool, table, ctx).transpose(0, 1)
-    mask = torch.ones(1, ctx, dtype=torch.bool)
-    return attend(q[:, None, :], k, v, mask)[:, 0, :]
-
-
-def _decode_attn_variants(q, k_pool, v_pool, table, ctx):
-    """Plausible wrong answers, to name the mistake when a reader's result equals one of them."""
-    h, d = q.shape
-    kvh = k_pool.shape[2]
-    group = h // kvh
-    k = _gather_reference(k_pool, table, ctx)  # [ctx, kvh, d]
-    v = _gather_reference(v_pool, table, ctx)
-
-    def softmax_attn(keys, values, scale):  # keys/values [ctx, h, d]
-        w = torch.softmax(torch.einsum("hd,thd->ht", q, keys) * scale, dim=-1)
-        return torch.einsum("ht,thd->hd", w, values)
-
-    out = {}
-    if group > 1:
-        out["query head h reads KV head h // group (repeat_interleave), not h % num_kv_heads (repeat)"] = \
-            softmax_attn(k.repeat(1, group, 1), v.repeat(1, group, 1), d ** -0.5)
-    rep = lambda x: x.repeat_interleave(group, dim=1)  # noqa: E731
-    out["the scores need the 1 / sqrt(head_dim) scale"] = softmax_attn(rep(k), rep(v), 1.0)
-    full = len(table) * k_pool.shape[1]
-    if full != ctx:
-        kf = _gather_reference(k_pool, table, full)
-        vf = _gather_reference(v_pool, table, full)
-        out["the empty slots after context_len in the last block were attended to"] = \
-            softmax_attn(rep(kf), rep(vf), d ** -0.5)
-    return out
-
-
-def check_paged_decode_attention(fn) -> None:
-    """Check ``fn(q [heads, d], k_pool, v_pool, block_table, context_len) -> [heads, d]`` (chapter 05).
-
-    One decode token attends to its sequence's ``context_len`` keys, read
-    through the block table, with grouped-query heads. Compared with the
-    contiguous reference within 1e-5.
+    Targeted steps (a prompt from scratch; decodes, fresh prompts and prefill
+    chunks mixed; several groups; grouped and plain heads) on small pools full
+    of stale values: the output must match one ``ContiguousKVCache`` per
+    sequence within 1e-5 and the step's keys and values must land at the slot
+    mapping of the right layer. Then SmolLM2 runs in the live engine with the
+    class as its attention backend, chunked prefill mixing decodes and chunks.
     """
-    for n, (nb, bs, h, kvh, d, table, ctx) in enumerate(_DECODE_ATTN_CASES):
-        g = torch.Generator().manual_seed(100 + n)
-        q = torch.randn(h, d, generator=g)
-        k_pool, v_pool = torch.randn(2, nb, bs, kvh, d, generator=g)
-        what = (f"paged_decode_attention(q [{h}, {d}], pools [{nb}, {bs}, {kvh}, {d}], "
-                f"block_table={table}, context_len={ctx})")
-        expected = _decode_attn_reference(q, k_pool, v_pool, table, ctx)
-        got = fn(q.clone(), k_pool.clone(), v_pool.clone(), list(table), ctx)
-        if not isinstance(got, torch.Tensor):
-            raise AssertionError(f"{what}: expected a torch.Tensor, got {type(got).__name__}")
-        if tuple(got.shape) != tuple(expected.shape):
-            raise AssertionError(f"{what}: expected shape {tuple(expected.shape)} (one output per query head), "
-                                 f"got {tuple(got.shape)}")
-        got = got.detach().cpu().float()
-        err = (got - expected).abs().max().item()
-        if err <= 1e-5:
-            continue
-        hint = next((f"; {name}" for name, wrong in _decode_attn_variants(q, k_pool, v_pool, table, ctx).items()
-                     if torch.allclose(got, wrong, atol=1e-5)), "")
-        raise AssertionError(f"{what}: differs from the reference by up to {err:.3g} (tolerance 1e-5){hint}")
-    print(f"check_paged_decode_attention: all {len(_DECODE_ATTN_CASES)} cases match contiguous attention within 1e-5.")
+    for case in _CASES:
+        _check_step(cls, case)
+    print(f"check_paged_attention: all {len(_CASES)} steps match one contiguous cache per sequence, and the new keys "
+          f"and values are in the pool.")
+    tok = load_tokenizer("smollm2-135m")
+    short = [p for p in chat_prompts(tok, 4) if len(p) < 100]  # three chat questions of about 36 tokens
+    requests = [(f"r{i}", p, greedy(6)) for i, p in enumerate(short)]
+    check_live("your paged attention", requests, parts={"attention_backend": cls}, tokenizer=tok, block_size=4,
+               num_blocks=64, max_num_seqs=3, enable_chunked_prefill=True, max_prefill_chunk_size=16,
+               max_num_batched_tokens=32)  # chunks of 16 next to decodes, blocks of 4: every step mixes kinds

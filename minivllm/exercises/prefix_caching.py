@@ -1,178 +1,350 @@
-"""Chapter 08, prefix caching: the checks of the reader's chain hashes of a prompt's full blocks and
-of the prompt tokens a prefix cache serves, against minivllm's block manager.
+"""Chapter 08, prefix caching: the check of the reader's prefix cache, a ``BlockManager`` subclass with
+``lookup_prefix``, ``register_computed_blocks``, ``take_free_block`` and ``release``, on targeted cases and then
+inside the live engine, schedule for schedule.
 """
 
 from __future__ import annotations
 
-import random
+from contextlib import contextmanager
+from unittest import mock
 
 from minivllm.block_manager import BlockManager
-from minivllm.config import cdiv
-from minivllm.exercises._common import _is_integer
+from minivllm.exercises.live import check_live, greedy
+from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
-__all__ = ["check_block_hashes", "reference_block_hashes", "check_cached_prefix_len", "reference_cached_prefix_len"]
+__all__ = ["check_prefix_cache", "system_prompt_chats"]
+
+BS = 4  # blocks of 4 tokens in every targeted case
+X, Y, Z, W, V, Q = ([10 * k + i for i in range(1, 5)] for k in range(1, 7))  # six different full blocks
+SYSTEM = ("You are Atlas, the support assistant of an online shop for hiking and camping gear. Answer politely, "
+          "in plain English and in at most three sentences. Never invent product details.")
+QUESTIONS = ["Where is my order?", "Can I return a tent I used once?", "How long does delivery to Spain take?",
+             "Do you sell gas stoves?", "What warranty does a sleeping bag have?", "Are you open on Sunday?"]
 
 
-def reference_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """The chain hashes minivllm's :class:`~minivllm.block_manager.BlockManager` registers for a computed prompt.
-
-    A real block manager allocates the prompt, marks its KV as written and
-    registers its full blocks; the hashes are read back in block order.
-    """
-    tokens = list(token_ids)
-    full = len(tokens) // block_size
-    if not tokens:
-        return []
-    bm = BlockManager(cdiv(len(tokens), block_size), block_size, enable_prefix_caching=True)
-    seq = Sequence("reference", tokens, SamplingParams(temperature=0.0, max_tokens=1))
-    bm.allocate(seq, len(tokens))
-    seq.cached_token_count = len(tokens)  # as if the model had written the prompt's KV
-    bm.register_computed_blocks(seq)
-    return [bm.blocks[block].hash for block in seq.block_table[:full]]
+def _seq(rid: str, tokens) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(temperature=0.0, max_tokens=1))
 
 
-def reference_cached_prefix_len(token_ids: list[int], block_size: int, cached: set[int]) -> int:
-    """Prompt tokens served from a prefix cache holding the chain hashes ``cached`` (chapter 08).
-
-    Walk the full blocks in order and stop at the first whose hash is not
-    cached; never count the block holding the last prompt token, whose logits
-    the first output token needs. (The engine also confirms each hit by the
-    block's tokens and parent; with no hash collisions that changes nothing.)
-    """
-    hashes = reference_block_hashes(token_ids, block_size)[: (len(token_ids) - 1) // block_size]
-    hits = 0
-    for h in hashes:
-        if h not in cached:
-            break
-        hits += 1
-    return hits * block_size
+def _fail(what: str, hint: str, detail: str = "") -> None:
+    raise AssertionError(f"{what}: {hint}" + (f"\n  {detail}" if detail else ""))
 
 
-def _call(fn, what, *args):
+def _invariants(bm, seqs, what: str) -> None:
     try:
-        return fn(*args)
-    except TypeError as e:
-        if "unhashable" in str(e):
-            raise AssertionError(f"{what}: {e}: pass a block's tokens as a tuple, "
-                                 f"BlockManager.chain_hash(parent_hash, tuple(block_tokens))") from None
-        raise
+        bm.check_invariants(seqs)
+    except AssertionError as e:
+        _fail(what, f"the pool is inconsistent afterwards ({e})",
+              "a registered block is in self.hash_to_block under its own hash, free blocks have no hash, "
+              "evictable ones have one")
 
 
-def _random_ids(rng, n: int) -> list[int]:
-    return [rng.randrange(1, 49152) for _ in range(n)]
+def _computed(bm, seq: Sequence, cached: int | None = None) -> list[int]:
+    """What the scheduler and the model runner do for ``seq``: look up, allocate, write the KV, register."""
+    hits = bm.lookup_prefix(seq)
+    if not bm.allocate(seq, seq.num_tokens, hits):
+        raise AssertionError(f"allocating {seq.request_id} failed: the case expects room in the pool")
+    seq.cached_token_count = seq.num_tokens if cached is None else cached
+    bm.register_computed_blocks(seq)
+    return hits
 
 
-def _block_hash_cases():
-    rng = random.Random(8)
-    shared = _random_ids(rng, 8)
-    cases = [(list(range(100, 110)), 4), (list(range(100, 112)), 4), ([], 4), ([5, 6, 7], 4), ([9] * 12, 4),
-             ([3, 1, 4, 1, 5], 1), (shared + [1, 2, 3], 4), (shared + [7, 7, 7, 7, 8], 4), (_random_ids(rng, 40), 16)]
-    cases += [(_random_ids(rng, rng.randint(0, 30)), rng.choice([2, 3, 4, 8])) for _ in range(20)]
-    return cases
+def _expect_lookup(bm, tokens, expected: list[int], what: str, hints) -> None:
+    """``lookup_prefix`` of a prompt must be ``expected``; ``hints(got)`` names the mistake."""
+    seq = _seq("lookup", tokens)
+    refs = [b.ref_count for b in bm.blocks]
+    got = list(bm.lookup_prefix(seq))
+    if [b.ref_count for b in bm.blocks] != refs or seq.block_table:
+        _fail(what, "lookup_prefix only looks: it claims nothing and gives the sequence no block "
+                    "(allocate claims the hits, all or nothing)")
+    if got != expected:
+        _fail(what, hints(got), f"expected the blocks {expected}, got {got}")
 
 
-def _hash_hint(tokens, bs, expected, got) -> str:
+@contextmanager
+def _chain_hash(fn):
+    """Replace ``chain_hash`` (on BlockManager, which subclasses inherit): a hash that collides on purpose."""
+    with mock.patch.object(BlockManager, "chain_hash", staticmethod(fn)):
+        yield
+
+
+def _registers_the_chain(cls) -> None:
+    bm = cls(16, BS, enable_prefix_caching=True)
+    a = _seq("a", X + Y + Z + [9])
+    bm.allocate(a, a.num_tokens)
+    a.cached_token_count = 13
+    bm.register_computed_blocks(a)
+    what = "register_computed_blocks(a) for a 13-token prompt X+Y+Z+[9] whose KV is computed, blocks of 4"
+    records = [bm.blocks[b] for b in a.block_table]
+    if records[3].hash is not None:
+        _fail(what, "only full blocks are registered: the last block (1 token) is still being filled")
     h = BlockManager.chain_hash
-    blocks = [tuple(tokens[i * bs:(i + 1) * bs]) for i in range(cdiv(len(tokens), bs))]
-    if len(got) == len(blocks) and len(blocks) > len(expected):
-        return "only full blocks get a hash: the last, partial block is still being filled"
-    if len(got) != len(expected):
-        return f"one hash per full block: {len(tokens)} tokens in blocks of {bs} make {len(expected)} full blocks"
-    if got == [h(None, b) for b in blocks[: len(expected)]]:
-        return "chain the hashes: each block's parent is the previous block's hash (None for the first block)"
-    if got == [hash(b) for b in blocks[: len(expected)]] or got == [hash(tuple(tokens[:(i + 1) * bs]))
-                                                                  for i in range(len(expected))]:
-        return "use BlockManager.chain_hash(parent_hash, block_tokens), as the block manager does"
-    return "compare the lists above"
+    chain = [h(None, tuple(X))]
+    chain += [h(chain[0], tuple(Y))]
+    chain += [h(chain[1], tuple(Z))]
+    got = [r.hash for r in records[:3]]
+    if got == [h(None, tuple(b)) for b in (X, Y, Z)]:
+        _fail(what, "the hash ignores the parent: chain it, self.chain_hash(parent_hash, tokens) with the previous "
+                    "block's hash, so that it names the whole prefix", f"hashes {got}")
+    if got != chain:
+        _fail(what, "block i is registered under self.chain_hash(hash of block i - 1 (None for block 0), "
+                    "tuple(its token ids))", f"expected the hashes {chain}\n  got {got}")
+    for i, (r, tokens) in enumerate(zip(records, (X, Y, Z))):
+        parent = None if i == 0 else (a.block_table[i - 1], bm.blocks[a.block_table[i - 1]].generation)
+        if r.tokens != tuple(tokens) or r.parent != parent or bm.hash_to_block.get(r.hash) != r.block_id:
+            _fail(what, "a registered block records its tokens (a tuple) and its parent (block id, generation), and "
+                        "self.hash_to_block maps its hash to it: lookups confirm hits with them (Block.matches)",
+                  f"block {i}: tokens {r.tokens}, parent {r.parent}, hash_to_block -> "
+                  f"{bm.hash_to_block.get(r.hash)}; expected {tuple(tokens)}, {parent}, {r.block_id}")
+    _invariants(bm, [a], what)
 
 
-def check_block_hashes(fn) -> None:
-    """Check ``fn(token_ids, block_size) -> list[int]``, the prefix cache's chain hashes (chapter 08).
+def _registers_what_is_computed(cls) -> None:
+    bm = cls(16, BS, enable_prefix_caching=True)
+    a = _seq("a", X + Y + Z + [9])
+    bm.allocate(a, a.num_tokens)
+    for cached, full in ((5, 1), (9, 2), (13, 3)):  # a chunked prefill: register after each chunk
+        a.cached_token_count = cached
+        bm.register_computed_blocks(a)
+        registered = sum(bm.blocks[b].hash is not None for b in a.block_table)
+        if registered != full:
+            _fail(f"register_computed_blocks(a) after {cached} of a's 13 tokens are computed (blocks of 4)",
+                  f"register the full blocks whose KV is written, seq.cached_token_count // block_size = {full}, "
+                  f"not the blocks of tokens still to compute: a hit on them would serve KV never written",
+                  f"{registered} of a's blocks are registered")
+    _invariants(bm, [a], "registering chunk by chunk")
+    off = cls(16, BS)
+    b = _seq("b", X + Y + [9])
+    off.allocate(b, b.num_tokens)
+    b.cached_token_count = 9
+    off.register_computed_blocks(b)
+    if off.hash_to_block or off.lookup_prefix(_seq("c", X + Y + [9])):
+        _fail("a block manager with enable_prefix_caching=False", "registers nothing and finds nothing: "
+              "return at once when self.enable_prefix_caching is False")
 
-    One hash per full block, in order, ``BlockManager.chain_hash(parent, tokens)``
-    with the previous block's hash as parent; compared with what minivllm's
-    block manager registers for the same prompt.
+
+def _hits(cls) -> None:
+    bm = cls(16, BS, enable_prefix_caching=True)
+    a = _seq("a", X + Y + Z + [9])
+    _computed(bm, a)
+    a0, a1, a2 = a.block_table[:3]
+
+    _expect_lookup(bm, X + Y + W + [5], [a0, a1], "lookup_prefix(X+Y+W+[5]) after a = X+Y+Z+[9] was computed",
+                   lambda got: "a prompt that shares a's first two blocks hits them, and stops at W" if len(got) < 2
+                   else "stop at the first block that misses (W)")
+    _expect_lookup(bm, X + Y + Z + [9], [a0, a1, a2], "lookup_prefix(a's own 13 tokens) after a was computed",
+                   lambda got: "its 3 full blocks are all before the last token: all three hit; the block holding "
+                               "the last token is excluded, not one block more" if len(got) < 3 else
+                   "only full blocks are cached")
+    _expect_lookup(bm, X + Y + Z, [a0, a1], "lookup_prefix(X+Y+Z), exactly a's 3 full blocks (12 tokens)",
+                   lambda got: "the block holding the last prompt token is never served from the cache: the first "
+                               "output token needs its logits, so that block runs again; only the "
+                               "(len(tokens) - 1) // block_size = 2 full blocks before it may hit"
+                   if len(got) == 3 else "the first two blocks hit")
+    _expect_lookup(bm, W + Y + Z + [9], [], "lookup_prefix(W+Y+Z+[9]): a's last two blocks after another first block",
+                   lambda got: "a block's KV depends on every token before it: after a miss (W) nothing can hit")
+    _expect_lookup(bm, [7], [], "lookup_prefix([7]), a one-token prompt", lambda got: "nothing to look up")
+    _invariants(bm, [a], "the lookups")
+
+
+def _lru(cls) -> None:
+    bm = cls(4, BS, enable_prefix_caching=True)
+    a = _seq("a", X + Y + [9])
+    _computed(bm, a)
+    a0, a1, a2 = a.block_table
+    (spare,) = [b for b in range(4) if b not in a.block_table]
+    bm.free(a)  # tail first: a2 (no hash) is free, a1 then a0 become evictable
+    what = "free(a) after a = X+Y+[9] was computed (its 2 full blocks cached, the third partial)"
+    if a0 in bm.free_blocks or a1 in bm.free_blocks or bm.blocks[a0].hash is None:
+        _fail(what, "a released block with a hash keeps its KV and its hash: it becomes evictable "
+                    "(self.evictable[block] = None), not free; putting it in the free list loses its KV for good")
+    if list(bm.evictable) != [a1, a0] or a2 not in bm.free_blocks:
+        _fail(what, "release(block): one owner fewer; at zero, a block with a hash goes to the end of self.evictable "
+                    "(most recently used last), any other to self.free_blocks",
+              f"evictable {list(bm.evictable)}, free {list(bm.free_blocks)}; expected evictable [{a1}, {a0}] "
+              f"(the tail was released first) and {a2} free")
+    _invariants(bm, [], what)
+    _expect_lookup(bm, X + Y + [9], [a0, a1], "lookup_prefix(a's prompt) after a finished",
+                   lambda got: "a finished request's cached blocks stay findable until they are evicted")
+    taken = [bm.take_free_block(), bm.take_free_block()]
+    what = "take_free_block() twice with 2 unhashed free blocks and 2 cached ones evictable"
+    if set(taken) != {spare, a2}:
+        _fail(what, "take an unhashed free block first (self.free_blocks); evict a cached block only when there is "
+                    "none left", f"took {taken}; the free blocks were {spare} and {a2}")
+    if any(bm.blocks[b].ref_count != 1 for b in taken):
+        _fail(what, "a block taken for new KV has exactly one owner: ref_count = 1")
+    evicted = bm.take_free_block()
+    what = f"take_free_block() with no free block left, evictable (least recently used first) [{a1}, {a0}]"
+    if evicted == a0:
+        _fail(what, "evict the least recently used cached block, the first of self.evictable "
+                    "(self.evictable.popitem(last=False)), not the most recently used")
+    if evicted != a1:
+        _fail(what, f"evict the least recently used cached block ({a1})", f"took {evicted}")
+    if bm.blocks[a1].hash is not None or bm.blocks[a1].ref_count != 1:
+        _fail(what, "an evicted block leaves the prefix cache (self._unregister(block)) and gets one owner: its KV "
+                    "is about to be overwritten, so no lookup may find it")
+    _invariants(bm, [_holding(taken + [evicted])], what)
+    _expect_lookup(bm, X + Y + [9], [a0], "lookup_prefix(a's prompt) after a's second block was evicted",
+                   lambda got: "the first block is still cached, the second is gone")
+
+
+def _holding(blocks: list[int]) -> Sequence:
+    """A sequence that owns ``blocks`` (taken by hand in a case), for the invariants."""
+    seq = _seq("holder", [1])
+    seq.block_table = list(blocks)
+    return seq
+
+
+def _recency(cls) -> None:
+    bm = cls(3, BS, enable_prefix_caching=True)
+    blocks = []
+    for rid, tokens in (("x", X + [9]), ("y", Y + [8]), ("x again", X + [5])):  # one after another
+        seq = _seq(rid, tokens)
+        _computed(bm, seq)
+        blocks.append(seq.block_table[0])
+        bm.free(seq)
+    x, y, _ = blocks
+    what = (f"take_free_block() with no unhashed block left, after X's block {x} and Y's block {y} were released "
+            f"and X was hit and released again")
+    holder = _holding([bm.take_free_block() for _ in range(len(bm.free_blocks))])
+    evicted = bm.take_free_block()
+    if evicted != y:
+        _fail(what, "a release makes a block the most recently used (the end of self.evictable); evict from the "
+                    "front, the least recently used", f"evicted {evicted}, expected {y}")
+    holder.block_table.append(evicted)
+    _invariants(bm, [holder], what)
+
+
+def _stops_at_the_first_miss(cls) -> None:
+    bm = cls(4, BS, enable_prefix_caching=True)
+    a = _seq("a", X + Y + Z + [9])
+    _computed(bm, a)
+    a0, a1, a2, _ = a.block_table
+    bm.free(a)
+    bm.evictable.move_to_end(a2)  # as if a2 had been used more recently: a1 is now the least recently used
+    holder = _holding([bm.take_free_block(), bm.take_free_block()])  # the free block, then a1 is evicted
+    _invariants(bm, [holder], "evicting a's second block")
+    _expect_lookup(bm, X + Y + Z + [9], [a0], "lookup_prefix(a's prompt) after its middle block was evicted",
+                   lambda got: "stop at the first block that misses: the block after it was computed after a "
+                               "prefix this lookup cannot serve" if len(got) > 1 else "block 0 is still cached")
+
+
+def _collisions(cls) -> None:
+    with _chain_hash(lambda parent_hash, tokens: 0):  # every block of every prompt has the hash 0
+        bm = cls(16, BS, enable_prefix_caching=True)
+        p = _seq("p", X + Y + [9])
+        _computed(bm, p)
+        x = p.block_table[0]
+        what = "with chain_hash patched to return 0 (every hash collides), after p = X+Y+[9] was computed"
+        if bm.hash_to_block != {0: x}:
+            _fail(what, "a hash already in the cache (another prefix, or a collision) is not registered again: only "
+                        "X's block may be under hash 0", f"hash_to_block is {bm.hash_to_block}")
+        _invariants(bm, [p], what)
+        _expect_lookup(bm, V + Y + [1], [], f"{what}, lookup_prefix(V+Y+[1])",
+                       lambda got: "a hit trusted on its hash alone serves another prefix's KV: confirm it with "
+                                   "self.blocks[block].matches(tokens, parent) (same tokens, same parent)")
+        _expect_lookup(bm, X + X + [1], [x], f"{what}, lookup_prefix(X+X+[1])",
+                       lambda got: "a hit confirmed by its tokens but not by its parent: X's block holds the KV of X "
+                                   "at positions 0-3, not after X; compare the parent (block id, generation) too, "
+                                   "Block.matches(tokens, parent)" if got == [x, x] else "X's block hits once")
+        s = _seq("s", X + X + [2])
+        _computed(bm, s)
+        _invariants(bm, [p, s], f"{what}, computing s = X+X+[2]")
+
+
+def _generation(cls) -> None:
+    with _chain_hash(lambda parent_hash, tokens: hash(tokens)):  # a hash that forgets the parent: blocks collide
+        bm = cls(3, BS, enable_prefix_caching=True)
+        first = _seq("first", X + Y + [9])
+        _computed(bm, first)
+        b0, b1, _ = first.block_table
+        bm.free(first)
+        bm.evictable.move_to_end(b1)  # as if b1 had been used more recently: b0 goes first
+        holder = _holding([bm.take_free_block()])  # the one unhashed block
+        w = _seq("w", W)  # evicts b0 and registers W's KV in it
+        _computed(bm, w)
+        if w.block_table != [b0] or bm.blocks[b0].tokens != tuple(W):
+            _fail("evicting block 0 of X+Y+[9] for a new prompt W", "take_free_block should evict the least "
+                  "recently used block and register_computed_blocks register W in it",
+                  f"W's table {w.block_table}, block {b0} holds {bm.blocks[b0].tokens}")
+        _invariants(bm, [holder, w], "re-registering an evicted block")
+        stale = bm.blocks[b1].parent
+
+        def hint(got):
+            if got == [b0, b1] and stale == (b0, bm.blocks[b0].generation):
+                return ("the block was registered again with the same generation: bump record.generation at each "
+                        "registration, so that links to its old contents go stale")
+            return ("Y's block was computed after X, whose block now holds W: confirm the parent with its "
+                    "generation, (block id, generation), as Block.matches does")
+        _expect_lookup(bm, W + Y + [1], [b0], f"with a chain_hash that ignores the parent, lookup_prefix(W+Y+[1]) "
+                       f"after X's block {b0} was evicted and now holds W, Y's block {b1} still cached", hint)
+
+
+def _orphans(cls) -> None:
+    with _chain_hash(lambda parent_hash, tokens: hash(tokens)):  # a hash that forgets the parent: blocks collide
+        bm = cls(16, BS, enable_prefix_caching=True)
+        a, s = _seq("a", X + [1]), _seq("s", V + X + Y + [2])
+        _computed(bm, a)
+        _computed(bm, s)  # X after V collides with a's X (a first block): s's X is not registered, so neither is Y
+        what = ("with a chain_hash that ignores the parent, after a = X+[1] and then s = V+X+Y+[2] were computed, "
+                "lookup_prefix(Y+[3])")
+        _invariants(bm, [a, s], what)
+        _expect_lookup(bm, Y + [3], [], what,
+                       lambda got: "s's Y followed a block that is not in the cache (its X collided with a's): a block "
+                                   "whose parent is not registered is not registered either; nothing reaches it by "
+                                   "its chain, and with no parent it would pass for a prompt's first block")
+
+
+def _duplicates(cls) -> None:
+    bm = cls(16, BS, enable_prefix_caching=True)
+    s1, s2 = _seq("s1", X + Y + Z + [1]), _seq("s2", X + Y + Q + [2])
+    for s in (s1, s2):  # admitted in the same step: neither found the other's blocks
+        bm.allocate(s, s.num_tokens)
+    for s in (s1, s2):
+        s.cached_token_count = s.num_tokens
+        bm.register_computed_blocks(s)
+    what = "s1 = X+Y+Z+[1] and s2 = X+Y+Q+[2] computed in the same step, then both registered"
+    _invariants(bm, [s1, s2], what)
+    if bm.blocks[s2.block_table[0]].hash is not None or bm.blocks[s2.block_table[1]].hash is not None:
+        _fail(what, "s2's copies of X and Y duplicate a prefix already registered (s1's): leave them unregistered")
+    _expect_lookup(bm, X + Y + Q + [7], s1.block_table[:2] + s2.block_table[2:3], f"{what}; lookup_prefix(X+Y+Q+[7])",
+                   lambda got: "a duplicate links to the registered block (keep it in self.seq_links): the block "
+                               "after it, Q, is registered with the registered Y as its parent, so lookups that "
+                               "follow the chain reach it")
+
+
+_CASES = (_registers_the_chain, _registers_what_is_computed, _hits, _lru, _recency, _stops_at_the_first_miss,
+          _collisions, _generation, _orphans, _duplicates)
+
+
+def system_prompt_chats(tokenizer, questions=QUESTIONS) -> list[list[int]]:
+    """Chat prompts that share a system prompt (chapter 08): the same first blocks, then each its own question."""
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM},
+                                                     {"role": "user", "content": q}],
+                                                    add_generation_prompt=True, tokenize=False),
+                      add_special_tokens=False)["input_ids"] for q in questions]
+
+
+def check_prefix_cache(cls) -> None:
+    """Check a ``BlockManager`` subclass's prefix cache (chapter 08): ``lookup_prefix``, ``register_computed_blocks``,
+    ``take_free_block`` and ``release``.
+
+    Targeted cases first (the registered chain, what is registered when,
+    hits and the last-token rule, release and LRU eviction, the first miss,
+    a hash that always collides, a parent evicted and registered again, a
+    duplicate prefix), then the live engine on SmolLM2: chats with a shared
+    system prompt, a pool small enough to evict, every step scheduled as
+    minivllm schedules it.
     """
-    cases = _block_hash_cases()
-    for tokens, bs in cases:
-        what = f"block_hashes({tokens if len(tokens) <= 16 else f'<{len(tokens)} tokens>'}, block_size={bs})"
-        got = _call(fn, what, list(tokens), bs)
-        try:
-            got = [int(x) for x in got]
-        except (TypeError, ValueError):
-            raise AssertionError(f"{what}: expected a list of int hashes, got {got!r}") from None
-        expected = reference_block_hashes(tokens, bs)
-        if got != expected:
-            raise AssertionError(f"{what}:\n  expected {expected}\n  got      {got}\n  "
-                                 f"{_hash_hint(tokens, bs, expected, got)}")
-    print(f"check_block_hashes: all {len(cases)} cases match minivllm's block manager.")
-
-
-def _cached_prefix_cases():
-    rng = random.Random(9)
-    bs = 4
-    first = _random_ids(rng, 12)  # exactly 3 blocks
-    second = first[:6] + _random_ids(rng, 9)  # shares block 0, diverges inside block 1
-    cached = set(reference_block_hashes(first, bs)) | set(reference_block_hashes(second, bs))
-    h0, _, h2 = reference_block_hashes(first, bs)
-    cases = [
-        (first, bs, cached),  # the whole prompt is cached: its last block is computed anyway
-        (first + [5], bs, cached),  # one more token: all 3 blocks hit
-        (first + _random_ids(rng, 6), bs, cached),
-        (first[:9], bs, cached),
-        (first[:8], bs, cached),  # exactly 2 blocks: only 1 may hit
-        (first[:4] + [1, 2, 3, 4, 5], bs, cached),  # diverges at block 1
-        (second, bs, cached),
-        (_random_ids(rng, 10), bs, cached),  # unrelated
-        (first + [5], bs, set()),  # empty cache
-        ([first[0]], bs, cached),  # a one-token prompt
-        (first[:5], bs, cached),  # block 0 and one more token
-        (first + [5], bs, {h0, h2}),  # block 1 missing: block 2 may not hit, though its hash is there
-        (first + [5], 1, set(reference_block_hashes(first, 1))),
-    ]
-    for _ in range(20):
-        n = rng.randint(1, 24)
-        base = first + second
-        prompt = base[:rng.randint(0, n)] + _random_ids(rng, rng.randint(0, 6)) or [7]
-        cases.append((prompt, bs, cached))
-    return cases
-
-
-def check_cached_prefix_len(fn) -> None:
-    """Check ``fn(token_ids, block_size, cached) -> int``, the prompt tokens a prefix cache serves (chapter 08).
-
-    ``cached`` is the set of chain hashes in the cache. Compared with
-    :func:`reference_cached_prefix_len`, which the tests hold equal to the
-    block manager's own ``match_prefix``.
-    """
-    cases = _cached_prefix_cases()
-    for tokens, bs, cached in cases:
-        what = (f"cached_prefix_len({tokens if len(tokens) <= 16 else f'<{len(tokens)} tokens>'}, block_size={bs}, "
-                f"cached=<{len(cached)} hashes>)")
-        got = _call(fn, what, list(tokens), bs, set(cached))
-        if not _is_integer(got):
-            raise AssertionError(f"{what}: expected an int number of tokens, got {got!r}")
-        expected = reference_cached_prefix_len(tokens, bs, cached)
-        if got == expected:
-            continue
-        hashes = reference_block_hashes(tokens, bs)
-        walk = 0
-        while walk < len(hashes) and hashes[walk] in cached:
-            walk += 1
-        anywhere = sum(h in cached for h in hashes)
-        if got == expected // bs and expected:
-            hint = "return a number of tokens, not of blocks"
-        elif got == walk * bs and walk * bs > expected:
-            hint = (f"the last prompt token is never served from the cache (the first output token needs its "
-                    f"logits): only the full blocks before it, (len - 1) // block_size = {(len(tokens) - 1) // bs}, "
-                    f"may hit")
-        elif got % bs:
-            hint = f"only whole blocks are cached: the answer is a multiple of block_size={bs}"
-        elif got >= anywhere * bs > walk * bs or got > walk * bs:
-            hint = "stop at the first block that misses: later blocks cannot be used without the ones before"
-        else:
-            hint = f"{walk} leading block(s) of {bs} tokens are in the cache"
-        raise AssertionError(f"{what}: expected {expected}, got {got}; {hint}")
-    print(f"check_cached_prefix_len: all {len(cases)} cases match minivllm's prefix cache.")
+    for case in _CASES:
+        case(cls)
+    print("check_prefix_cache: the chain, registration, hits, the last-token rule, LRU eviction, collisions, "
+          "generations and duplicates are right.")
+    tok = load_tokenizer("smollm2-135m")
+    chats = system_prompt_chats(tok)
+    chats += chats[:2]  # asked again later: hit if their blocks survived eviction
+    requests = [(f"chat{i}", p, greedy(3)) for i, p in enumerate(chats)]
+    check_live("your prefix cache", requests, parts={"block_manager_cls": cls}, tokenizer=tok, same_schedule=True,
+               enable_prefix_caching=True, block_size=8, num_blocks=16, max_num_seqs=2)

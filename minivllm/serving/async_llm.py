@@ -1,0 +1,243 @@
+"""``AsyncLLM``: the engine loop in one background thread, one asyncio queue per request (chapter 13).
+
+The web server's event loop must never wait for a forward pass, so the engine
+gets a thread of its own that owns it: it takes new requests and aborts from a
+thread-safe inbox, runs ``LLMEngine.step()``, and hands each ``RequestOutput``
+to the queue of its request (``loop.call_soon_threadsafe``), where the request's
+handler awaits it. The same ``LLMEngine`` code path serves ``LLM.generate``.
+
+- A request is validated (``LLMEngine.validate_request``) in the caller, so bad
+  input raises ``ValueError`` before anything is queued.
+- Backpressure: beyond ``max_num_seqs + max_queue_size`` requests in flight,
+  :meth:`AsyncLLM.add_request` raises :class:`QueueFull` at once.
+- A stream that is closed or cancelled before its last output aborts its request:
+  the loop thread frees its blocks before the next step.
+- :meth:`AsyncLLM.shutdown` stops accepting, lets requests in flight finish for
+  a grace period, then aborts the rest (their streams raise :class:`ServerShuttingDown`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import deque
+from typing import AsyncIterator
+
+from minivllm.config import check, is_int
+from minivllm.engine import LLMEngine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+from minivllm.timing import now
+
+__all__ = ["AsyncLLM", "RequestStream", "QueueFull", "ServerShuttingDown", "RequestFailed"]
+
+log = logging.getLogger("minivllm.serving")
+IDLE_WAIT_S = 0.5  # an idle loop thread wakes this often (to publish stats, to notice a deadline)
+
+
+class QueueFull(Exception):
+    """Too many requests in flight: the server answers 429 at once instead of queueing without bound."""
+
+
+class ServerShuttingDown(Exception):
+    """The server is draining: no new requests, and what is left at the deadline is aborted."""
+
+
+class RequestFailed(Exception):
+    """The engine loop itself failed while this request was in flight (not a per-request error)."""
+
+
+class RequestStream:
+    """One request's outputs, in order: ``async for out in stream``; closing it early aborts the request."""
+
+    def __init__(self, owner: AsyncLLM, request_id: str, queue: asyncio.Queue):
+        self.owner, self.request_id, self.queue = owner, request_id, queue
+        self.finished = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self.queue.get()
+                if isinstance(out, BaseException):
+                    self.finished = True
+                    raise out
+                self.finished = out.finished
+                yield out
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self.owner.abort(self.request_id)
+
+
+class AsyncLLM:
+    """An ``LLMEngine`` served from one background thread to asyncio callers."""
+
+    def __init__(self, engine: LLMEngine, max_queue_size: int | None = None, metrics=None):
+        check(max_queue_size is None or (is_int(max_queue_size) and max_queue_size >= 0), "max_queue_size",
+              "None (no limit) or an integer >= 0", max_queue_size)
+        self.engine = engine
+        self.max_in_flight = None if max_queue_size is None else engine.config.max_num_seqs + max_queue_size
+        self.metrics = metrics  # a ServerMetrics (or None): updated from the loop thread
+        self.accepting = True
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: deque = deque()  # ("add", id, token ids, params, arrival) and ("abort", id), in order
+        self._guard = threading.Lock()  # _streams and the accepting/in-flight check
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._deadline: float | None = None
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="minivllm-engine-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the loop thread runs (``/health``)."""
+        return self._thread.is_alive()
+
+    # -- the caller's side (the event loop) ------------------------------------------------------------
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    arrival_time: float | None = None) -> RequestStream:
+        """Validate and queue a request; returns its :class:`RequestStream`. Raises ValueError, QueueFull or
+        ServerShuttingDown before anything is queued. Call it from a running event loop."""
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"req-{next(self._ids)}"
+        arrival_time = now() if arrival_time is None else arrival_time
+        _, ids = self.engine.validate_request(request_id, prompt, params, arrival_time=arrival_time)
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._guard:
+            self._check_room(request_id)
+            self._streams[request_id] = (loop, queue)
+            self._inbox.append(("add", request_id, ids, params.clone(), arrival_time))
+        self._wake.set()
+        return RequestStream(self, request_id, queue)
+
+    def _check_room(self, request_id: str) -> None:
+        if not self.accepting or not self.is_alive:
+            raise ServerShuttingDown("the server is shutting down and accepts no new requests")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if self.max_in_flight is not None and len(self._streams) >= self.max_in_flight:
+            raise QueueFull(f"{len(self._streams)} requests in flight, the most this server queues "
+                            f"(max_num_seqs {self.engine.config.max_num_seqs} + max_queue_size "
+                            f"{self.max_in_flight - self.engine.config.max_num_seqs}); retry later")
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (vLLM's ``AsyncLLM.generate``); breaking out of the loop aborts it."""
+        stream = self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request's queue now; the loop thread aborts it in the engine before its next step."""
+        with self._guard:
+            if self._streams.pop(request_id, None) is None:
+                return
+            self._inbox.append(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self, grace_s: float) -> None:
+        """Stop accepting; requests still running ``grace_s`` seconds from now are aborted.
+
+        Safe in a signal handler: it only sets two attributes and takes no lock (a handler that waits for a
+        lock its own thread holds deadlocks); the loop thread sees them within ``IDLE_WAIT_S`` or one step.
+        A second call never moves the deadline later."""
+        deadline = now() + grace_s
+        self.accepting = False
+        if self._deadline is None or deadline < self._deadline:
+            self._deadline = deadline
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Abort everything, stop the loop thread and wait for it (bounded)."""
+        self.shutdown(0.0)
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    # -- the loop thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            try:
+                self._take_inbox()
+                if self._deadline is not None and now() >= self._deadline:
+                    self._end_all(ServerShuttingDown("aborted: the server shut down before this request finished"))
+                if not engine.has_unfinished_requests():
+                    self._publish([])
+                    self._wake.wait(IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+            except Exception as e:  # a bug outside any one request: fail what is in flight, keep serving
+                log.exception("engine loop failed; aborting the requests in flight")
+                self._end_all(RequestFailed(f"engine loop failed: {type(e).__name__}: {e}"))
+                continue
+            self._route(outputs)
+            self._publish(outputs)
+        self._end_all(ServerShuttingDown("aborted: the server stopped"))
+
+    def _take_inbox(self) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            if item[0] == "abort":
+                self._abort(item[1])
+                continue
+            _, request_id, ids, params, arrival = item
+            if request_id not in self._streams:
+                continue  # aborted or ended before the engine saw it
+            try:
+                self.engine.add_request(request_id, ids, params, arrival_time=arrival)
+            except ValueError as e:  # validated by the caller, so only a race can get here
+                self._send(request_id, e, last=True)
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._send(out.request_id, out, last=out.finished)
+
+    def _send(self, request_id: str, item, last: bool) -> None:
+        """Hand ``item`` to the request's queue on its event loop; a closed loop aborts the request."""
+        with self._guard:
+            target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if target is None:
+            return  # aborted by its caller meanwhile
+        try:
+            target[0].call_soon_threadsafe(target[1].put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody will read this request
+            if not last:
+                with self._guard:
+                    self._streams.pop(request_id, None)
+                self._abort(request_id)
+
+    def _end_all(self, error: BaseException) -> None:
+        """Abort every request in flight; each stream raises ``error``."""
+        self._take_inbox()
+        with self._guard:
+            ids = list(self._streams)
+        for request_id in ids:
+            self._abort(request_id)
+            self._send(request_id, error, last=True)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        if self.metrics is not None:
+            self.metrics.forget(request_id)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        if self.metrics is not None:
+            self.metrics.record(outputs, self.engine.stats())

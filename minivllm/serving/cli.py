@@ -1,0 +1,151 @@
+"""``python -m minivllm serve``: every ``EngineConfig`` field as a flag, then uvicorn (chapter 13).
+
+Flags are made from the ``EngineConfig`` dataclass, so a new engine option is
+a new flag. Bad values are refused as usage errors naming the flag before any
+model loads. SIGTERM (or Ctrl-C) stops accepting requests, lets the ones in
+flight finish for ``--shutdown-grace`` seconds, aborts the rest, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from dataclasses import MISSING, fields
+
+import uvicorn
+
+from minivllm.config import DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from minivllm.engine import LLMEngine
+from minivllm.sampling_params import SamplingParams
+from minivllm.serving.api import OpenAIServing
+from minivllm.serving.app import build_app
+from minivllm.serving.async_llm import AsyncLLM
+from minivllm.serving.metrics import ServerMetrics
+
+__all__ = ["add_serve_arguments", "engine_config", "serve_main", "GracefulServer", "FIELD_HELP"]
+
+FIELD_HELP = {
+    "model": "smollm2-135m (embedded), tiny-random, a Hugging Face folder or repo id",
+    "block_size": "tokens per KV block",
+    "num_blocks": "KV blocks in the pool (default: sized from --kv-cache-memory-fraction)",
+    "kv_cache_memory_fraction": "share of free device memory for the KV pool (on a CPU, of at most 4 GiB)",
+    "max_num_seqs": "most sequences running at once",
+    "max_num_batched_tokens": "token budget of one step",
+    "max_model_len": "longest prompt + output (default: the model's)",
+    "enable_chunked_prefill": "split long prompts into chunks mixed with decodes",
+    "max_prefill_chunk_size": "largest prefill chunk with chunked prefill",
+    "enable_prefix_caching": "reuse the KV blocks of known prompt prefixes",
+    "preemption_mode": f"what a preempted sequence loses: {', '.join(PREEMPTION_MODES)}",
+    "num_cpu_blocks": "CPU swap pool in blocks (swap mode; default: as many as the device pool)",
+    "admission_watermark": "share of blocks kept free when admitting new requests",
+    "preemption_protection_steps": "steps a resumed sequence cannot be preempted again",
+    "scheduling_policy": f"order of the waiting queue: {', '.join(SCHEDULING_POLICIES)}",
+    "priority_aging_rate": "priority gained per step waited (priority policy)",
+    "device": "cpu or cuda (default: cuda when available)",
+    "dtype": f"weights and KV: {', '.join(DTYPES)}",
+    "seed": "seed of the sampler for requests without their own seed",
+    "pack_weights": "prepack linear weights for oneDNN on a float32 CPU",
+    "scheduler_cls": "scheduler class, as a dotted name",
+    "block_manager_cls": "block manager class, as a dotted name",
+    "attention_backend": "paged KV cache class, as a dotted name",
+    "sampler": "sampler class, as a dotted name",
+    "detokenizer": "incremental detokenizer class, as a dotted name",
+}
+CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": tuple(DTYPES)}
+TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags, then one per EngineConfig field (``--block-size``, ``--enable-prefix-caching``...)."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this "
+                        "machine only)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    parser.add_argument("--max-queue-size", type=int, default=None, metavar="N",
+                        help="at most N requests wait beyond the --max-num-seqs that run; more get 429 at once "
+                             "(default: no limit)")
+    parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
+                        help="on SIGTERM, how long requests in flight may run before they are aborted "
+                             "(default: %(default)s)")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                        help="uvicorn's log level; info logs every request (default: %(default)s)")
+    engine = parser.add_argument_group("engine options (every EngineConfig field)")
+    for f in fields(EngineConfig):
+        default = f.default if f.default is not MISSING else None
+        doc = FIELD_HELP.get(f.name, f"EngineConfig.{f.name} (see minivllm/config.py)")
+        kwargs = {"default": default, "help": doc if "default" in doc else f"{doc} (default: {default})"}
+        if f.type == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = TYPES.get(str(f.type), str)
+            kwargs["choices"] = CHOICES.get(f.name)
+            kwargs["metavar"] = None if f.name in CHOICES else f.name.upper()
+        engine.add_argument(_flag(f.name), dest=f"engine_{f.name}", **kwargs)
+
+
+def engine_config(args, parser: argparse.ArgumentParser) -> EngineConfig:
+    """The EngineConfig of the flags; a value it refuses is a usage error naming the flag (nothing loads)."""
+    if not 1 <= args.port <= 65535:
+        parser.error(f"argument --port: must be an integer in [1, 65535], got {args.port}")
+    if args.max_queue_size is not None and args.max_queue_size < 0:
+        parser.error(f"argument --max-queue-size: must be an integer >= 0, got {args.max_queue_size}")
+    if not args.shutdown_grace >= 0 or args.shutdown_grace == float("inf"):
+        parser.error(f"argument --shutdown-grace: must be a finite number >= 0, got {args.shutdown_grace}")
+    options = {f.name: getattr(args, f"engine_{f.name}") for f in fields(EngineConfig)}
+    try:
+        return EngineConfig(**options)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        parser.error(f"argument {_flag(field) if field in options else '--model'}: {e}")
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """One short request before the port opens: the first forwards pay one-off set-up costs."""
+    engine.add_request("warm-up", list(range(100, 116)), SamplingParams(temperature=0.0, max_tokens=2,
+                                                                        ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server whose exit signal first starts the engine's drain (no new requests, a grace period)."""
+
+    def __init__(self, config: uvicorn.Config, async_llm: AsyncLLM, grace_s: float):
+        super().__init__(config)
+        self.async_llm, self.grace_s = async_llm, grace_s
+
+    def handle_exit(self, sig, frame) -> None:
+        self.async_llm.shutdown(self.grace_s)
+        super().handle_exit(sig, frame)
+
+
+def serve_main(args, parser: argparse.ArgumentParser) -> int:
+    """Load the model, open the port, serve until SIGTERM or Ctrl-C; 0 after a graceful stop."""
+    config = engine_config(args, parser)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(config)
+    warm_up(engine)
+    name = args.served_model_name or config.model
+    metrics = ServerMetrics(name)
+    async_llm = AsyncLLM(engine, args.max_queue_size, metrics)
+    app = build_app(OpenAIServing(async_llm, name), metrics)
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=int(args.shutdown_grace) + 5), async_llm,
+                            args.shutdown_grace)
+    print(f"minivllm: serving {name} ({engine.num_blocks} KV blocks of {config.block_size}) on "
+          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal after its graceful stop: exit 0
+        signal.signal(sig, _drained)
+    server.run()
+    async_llm.close()
+    return 0
+
+
+def _drained(sig, frame) -> None:
+    """SIGTERM or Ctrl-C after uvicorn's graceful shutdown: the drain is done, nothing left to do."""
