@@ -79,38 +79,9 @@ def _bench_server(args, workload, tokenizer) -> int:
     return 0 if not failed else 1
 
 
-def _bench(args, parser) -> int:
-    device = torch.device(args.device) if args.device else default_device()
-    sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
-    tokenizer = load_tokenizer(args.model)
-    workload = make_workload(args.workload, tokenizer, seed=args.seed, **sizes)
-    if args.server:
-        return _bench_server(args, workload, tokenizer)
-    max_num_seqs = args.max_num_seqs or max(16, len(workload.arrivals))  # run_engine's default
-    check_token_budget(parser, args.max_num_batched_tokens, max_num_seqs,
-                       "--max-num-seqs, by default every request of the workload and at least 16",
-                       None if args.chunked_prefill else max(map(len, workload.prompts)),
-                       "the workload's longest prompt; or use --chunked-prefill")
-    compare = COMPARISONS[:2] if args.compare is None and workload.is_offline else (args.compare or [])
-    compare = [c for c in compare if c != "none"]
-    if compare and not workload.is_offline:
-        parser.error(f"argument --compare: needs an offline workload; {workload.name!r} has arrivals over time")
-    model, _ = load_model(args.model, device)
-    print(f"workload {workload.name}: {workload.description}; greedy, ignore_eos, seed {args.seed}")
-    print(f"model {args.model} float32 on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
-                                                       if device.type == "cpu" else ""), flush=True)
-
-    opts = dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.prefix_caching, device=str(device))
-    if args.max_num_seqs:
-        opts["max_num_seqs"] = args.max_num_seqs
-    if args.chunked_prefill:
-        opts.update(enable_chunked_prefill=True, max_prefill_chunk_size=args.chunked_prefill)
-    if args.tensor_parallel_size > 1:
-        opts["tensor_parallel_size"] = args.tensor_parallel_size
-    results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
-    ours = results[0]
-    hf = None
+def _baselines(args, workload, device, compare: list[str], model) -> list:
+    """Each requested baseline run on the same workload (the HF model loaded once, only when one needs it)."""
+    results, hf = [], None
     for name in compare:
         print(f"running {name} ...", file=sys.stderr, flush=True)
         if name.startswith("hf") and hf is None:
@@ -125,10 +96,25 @@ def _bench(args, parser) -> int:
                         "static": lambda: run_static(model, workload, args.hf_batch_size),
                         "contiguous": lambda: run_contiguous(model, workload),
                         "naive": lambda: run_naive(model, workload)}[name]())
+    return results
 
-    slo = _slo(args)
-    limits = measure_machine(model) if args.roofline else None
-    bound = roofline(model, workload, limits) if limits else None
+
+def _engine_options(args, device) -> dict:
+    opts = dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                enable_prefix_caching=args.prefix_caching, device=str(device))
+    if args.max_num_seqs:
+        opts["max_num_seqs"] = args.max_num_seqs
+    if args.chunked_prefill:
+        opts.update(enable_chunked_prefill=True, max_prefill_chunk_size=args.chunked_prefill)
+    if args.tensor_parallel_size > 1:
+        opts["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.kv_offload_blocks:
+        opts["kv_offload_blocks"] = args.kv_offload_blocks
+    return opts
+
+
+def _print_report(args, workload, results, slo, limits, bound) -> None:
+    ours = results[0]
     print()
     print(format_results(results, ours, slo, bound["seconds"] if bound else None))
     print(f"\nminivllm, {workload.name}:")
@@ -146,31 +132,72 @@ def _bench(args, parser) -> int:
     for r in results[1:]:
         print(f"minivllm / {r.name}: {ours.throughput / r.throughput:.2f}x "
               f"(greedy outputs identical for {same_outputs(ours, r)}/{len(r.token_ids)} requests)")
-    breakdown = None
-    if args.breakdown:
-        sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= args.breakdown]
-        llm = LLM(args.model, device=str(device), block_size=args.block_size, max_num_seqs=max(sizes),
-                  num_blocks=max(sizes) * cdiv(64 + 16, args.block_size) + 8)
-        breakdown = step_breakdown(llm, sizes, prompt_len=64, steps=5)
-        print("\none decode step, by phase (ms, medians of 5; prompts of 64 tokens):")
-        print(f"{'B':>3} {'step':>8} {'per token':>9} {'forward':>8} {'sample':>7} {'python':>7} {'python %':>8}")
-        for b, row in breakdown.items():
-            print(f"{b:3d} {1e3 * row['total']:8.2f} {1e3 * row['total'] / b:9.2f} {1e3 * row['forward']:8.2f} "
-                  f"{1e3 * row['sample']:7.2f} {1e3 * row['python']:7.2f} {row['python'] / row['total']:8.1%}")
+
+
+def _decode_breakdown(args, device) -> dict:
+    """Phases of a decode step at batch sizes 1, 2, 4, ... up to ``--breakdown`` (chapter 12)."""
+    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= args.breakdown]
+    llm = LLM(args.model, device=str(device), block_size=args.block_size, max_num_seqs=max(sizes),
+              num_blocks=max(sizes) * cdiv(64 + 16, args.block_size) + 8)
+    breakdown = step_breakdown(llm, sizes, prompt_len=64, steps=5)
+    print("\none decode step, by phase (ms, medians of 5; prompts of 64 tokens):")
+    print(f"{'B':>3} {'step':>8} {'per token':>9} {'forward':>8} {'sample':>7} {'python':>7} {'python %':>8}")
+    for b, row in breakdown.items():
+        print(f"{b:3d} {1e3 * row['total']:8.2f} {1e3 * row['total'] / b:9.2f} {1e3 * row['forward']:8.2f} "
+              f"{1e3 * row['sample']:7.2f} {1e3 * row['python']:7.2f} {row['python'] / row['total']:8.1%}")
+    return breakdown
+
+
+def _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown) -> None:
+    ours = results[0]
+    report = {"workload": {"name": workload.name, "description": workload.description, "seed": args.seed,
+                           "num_requests": len(workload.arrivals)},
+              "model": args.model, "device": str(device), "engine_options": opts,
+              "results": [{"name": r.name, "seconds": r.seconds, "output_tokens": r.output_tokens,
+                           "output_throughput": r.throughput, "ratio_minivllm": ours.throughput / r.throughput,
+                           "same_outputs_as_minivllm": same_outputs(ours, r), **r.metrics(slo).as_dict()}
+                          for r in results],
+              "kv_utilization": [s.kv_utilization for s in ours.steps],
+              "machine": None if not limits else {"flops": limits.flops, "bandwidth": limits.bandwidth},
+              "roofline": bound, "step_breakdown": breakdown}
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+def _bench(args, parser) -> int:
+    """``bench``: a workload through minivllm (or a server), the baselines, the roofline (chapters 11 and 12)."""
+    device = torch.device(args.device) if args.device else default_device()
+    sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
+    tokenizer = load_tokenizer(args.model)
+    workload = make_workload(args.workload, tokenizer, seed=args.seed, **sizes)
+    if args.server:
+        return _bench_server(args, workload, tokenizer)
+    if args.kv_offload_blocks and not args.prefix_caching:
+        parser.error("argument --kv-offload-blocks: needs --prefix-caching (the tier extends the prefix cache)")
+    max_num_seqs = args.max_num_seqs or max(16, len(workload.arrivals))  # run_engine's default
+    check_token_budget(parser, args.max_num_batched_tokens, max_num_seqs,
+                       "--max-num-seqs, by default every request of the workload and at least 16",
+                       None if args.chunked_prefill else max(map(len, workload.prompts)),
+                       "the workload's longest prompt; or use --chunked-prefill")
+    compare = COMPARISONS[:2] if args.compare is None and workload.is_offline else (args.compare or [])
+    compare = [c for c in compare if c != "none"]
+    if compare and not workload.is_offline:
+        parser.error(f"argument --compare: needs an offline workload; {workload.name!r} has arrivals over time")
+    model, _ = load_model(args.model, device)
+    print(f"workload {workload.name}: {workload.description}; greedy, ignore_eos, seed {args.seed}")
+    print(f"model {args.model} float32 on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
+                                                       if device.type == "cpu" else ""), flush=True)
+    opts = _engine_options(args, device)
+    results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
+    results += _baselines(args, workload, device, compare, model)
+    slo = _slo(args)
+    limits = measure_machine(model) if args.roofline else None
+    bound = roofline(model, workload, limits) if limits else None
+    _print_report(args, workload, results, slo, limits, bound)
+    breakdown = _decode_breakdown(args, device) if args.breakdown else None
     if args.json:
-        report = {"workload": {"name": workload.name, "description": workload.description, "seed": args.seed,
-                               "num_requests": len(workload.arrivals)},
-                  "model": args.model, "device": str(device), "engine_options": opts,
-                  "results": [{"name": r.name, "seconds": r.seconds, "output_tokens": r.output_tokens,
-                               "output_throughput": r.throughput, "ratio_minivllm": ours.throughput / r.throughput,
-                               "same_outputs_as_minivllm": same_outputs(ours, r), **r.metrics(slo).as_dict()}
-                              for r in results],
-                  "kv_utilization": [s.kv_utilization for s in ours.steps],
-                  "machine": None if not limits else {"flops": limits.flops, "bandwidth": limits.bandwidth},
-                  "roofline": bound, "step_breakdown": breakdown}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown)
     return 0
 
 
@@ -222,6 +249,8 @@ def main(argv=None) -> int:
     b.add_argument("--chunked-prefill", type=nonneg_int, default=0, metavar="CHUNK",
                    help="enable with this chunk size (0 = off)")
     b.add_argument("--prefix-caching", action="store_true")
+    b.add_argument("--kv-offload-blocks", type=nonneg_int, default=0, metavar="BLOCKS",
+                   help="a CPU tier of this many blocks for the prefix cache (chapter 14; needs --prefix-caching)")
     b.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="run minivllm over this many worker processes (chapter 15; default: 1)")
     b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",

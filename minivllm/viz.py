@@ -130,6 +130,50 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
 __all__ += ["plot_block_pool"]
 
 
+# Chapter 05 --------------------------------------------------------------------------------------
+
+def plot_paged_step(block_tables, context_lens, slot_mapping, block_size: int, num_blocks: int, names,
+                    ncols: int = 8, ax=None):
+    """Draw one paged step in the pool, slot by slot (chapter 05).
+
+    Every physical block is a column of ``block_size`` slots. A slot is
+    coloured by the sequence whose block table names its block: pale for keys
+    written in earlier steps, solid (labelled with the token's row in the flat
+    batch) for the step's new tokens, written through ``slot_mapping``.
+    """
+    bs = block_size
+    colours = plt.get_cmap("tab10").colors
+    new_slot = {s: i for i, s in enumerate(list(slot_mapping))}
+    owner = {table[pos // bs] * bs + pos % bs: b  # slot -> the sequence that holds it
+             for b, (table, ctx) in enumerate(zip(block_tables, context_lens)) for pos in range(ctx)}
+    nrows = cdiv(num_blocks, ncols)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 1.1 * nrows * bs / 2 + 0.8))
+    for block in range(num_blocks):
+        r, c = divmod(block, ncols)
+        top = (nrows - r) * (bs + 1.5)
+        ax.text(c + 0.5, top - 0.4, f"block {block}", ha="center", fontsize=7, color="dimgrey")
+        for off in range(bs):
+            slot, y = block * bs + off, top - 1.5 - off
+            b = owner.get(slot)
+            face = "white" if b is None else colours[b % len(colours)]
+            ax.add_patch(plt.Rectangle((c + 0.05, y), 0.9, 0.9, facecolor=face, edgecolor="grey",
+                                       alpha=1.0 if slot in new_slot else 0.3))
+            if slot in new_slot:
+                ax.text(c + 0.5, y + 0.45, str(new_slot[slot]), ha="center", va="center", fontsize=7, color="white")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours[i % len(colours)]) for i in range(len(names))]
+    ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.set_xlim(0, ncols)
+    ax.set_ylim(0, nrows * (bs + 1.5))
+    ax.axis("off")
+    ax.set_title(f"the pool, {num_blocks} blocks of {bs} slots: pale = earlier steps' KV, "
+                 "solid = this step's new tokens (their row in the flat batch)", fontsize=9)
+    return ax
+
+
+__all__ += ["plot_paged_step"]
+
+
 # Chapter 06 --------------------------------------------------------------------------------------
 
 __all__ += ["plot_batch_timeline"]

@@ -56,3 +56,26 @@ def test_every_measurement_in_the_prose_is_computed_in_a_cell(path):
             if not any(re.search(rf"(?<![\w.]){re.escape(f)}(?![\w])", code) for f in _number_forms(number)):
                 unchecked.append(f"{number}{unit}")
     assert not unchecked, f"{path.name}: measurements in the text that no cell computes or asserts: {unchecked}"
+
+
+FIGURE = re.compile(r"plt\.show\(|\bplot_\w+\(|\.savefig\(")
+CITE = re.compile(r"\{cite(?::[a-z]+)?\}`([^`]+)`")
+BIB_KEYS = set(re.findall(r"^@\w+\{([^,]+),", (ROOT / "references.bib").read_text(), flags=re.M))
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_chapter_draws_a_figure(path):
+    code = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code")
+    assert FIGURE.search(code), f"{path.name}: no cell draws a figure"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_chapter_cites_its_sources_in_a_local_bibliography(path):
+    """Each chapter cites with its own key prefix and ends with its own bibliography (no duplicate-citation warning)."""
+    text = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+    prefix = f"c{path.stem[:2]}-"
+    keys = [k.strip() for group in CITE.findall(text) for k in group.split(",")]
+    assert keys, f"{path.name}: cites nothing"
+    assert f":keyprefix: {prefix}" in text, f"{path.name}: its bibliography needs ':keyprefix: {prefix}'"
+    wrong = [k for k in keys if not k.startswith(prefix) or k[len(prefix):] not in BIB_KEYS]
+    assert not wrong, f"{path.name}: citations without the prefix {prefix} or not in references.bib: {wrong}"
