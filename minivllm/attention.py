@@ -13,6 +13,7 @@ before the first layer), and gets the attention output back.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.block_manager import slots
+from minivllm.copy_stream import BlockCopier
 
 __all__ = [
     "causal_chunk_mask",
@@ -36,7 +38,13 @@ __all__ = [
     "PagedBatch",
     "split_by_padding",
     "PagedKVCache",
+    "GATHER",
+    "VARLEN",
+    "choose_attention_kernel",
 ]
+
+GATHER = "gather+sdpa"  # gather each sequence's blocks, then SDPA over padded groups (every device)
+VARLEN = "varlen+block_table"  # torch's varlen_attn reading the pool through the block table (FlashAttention, Ampere+)
 
 
 def causal_chunk_mask(a: int, b: int, device=None) -> torch.Tensor:
@@ -225,12 +233,50 @@ class PagedBatch:
             slot_mapping = [s for table, ctx, n in zip(block_tables, context_lens, query_lens)
                             for s in slots(table, ctx - n, ctx, block_size)]
         self.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
+        self._varlen_metadata(block_tables, context_lens, query_lens, device)
         self.groups: list[AttentionGroup] = []
         for wanted in (lambda n: n == 1, lambda n: n > 1):
             rows = sorted((b for b, n in enumerate(query_lens) if wanted(n)), key=lambda b: len(block_tables[b]))
             for part in split_by_padding(rows, [len(block_tables[b]) * block_size for b in rows],
                                          [query_lens[b] for b in rows]):
                 self.groups.append(self._group(part, block_tables, context_lens, query_lens, starts, device))
+
+    def _varlen_metadata(self, block_tables, context_lens, query_lens, device) -> None:
+        """What :data:`VARLEN` reads: cumulative query starts, context lengths and the int32 block tables."""
+        width = max(map(len, block_tables), default=1)
+        self.cu_seq_q = torch.tensor([0, *itertools.accumulate(query_lens)], dtype=torch.int32, device=device)
+        self.context_lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+        self.cu_seq_k = torch.tensor([0, *itertools.accumulate(context_lens)], dtype=torch.int32, device=device)
+        self.block_table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
+                                        device=device)
+        self.max_q, self.max_k = max(query_lens, default=1), max(context_lens, default=1)
+
+    @classmethod
+    def for_decode(cls, block_tables: torch.Tensor, context_lens: torch.Tensor, slot_mapping: torch.Tensor,
+                   block_size: int, num_queries_per_kv: int = 1) -> PagedBatch:
+        """A decode-only batch (one query per row) from device tensors, by tensor ops alone (chapter 12).
+
+        Nothing here reads a tensor back to the host, so a CUDA graph can
+        capture it and a replay rebuilds the masks from the static buffers.
+        A padding row has context length 1 and slot -1: it reads key 0 of
+        block 0 (its output is dropped) and writes nowhere.
+        """
+        self = cls.__new__(cls)
+        B, W = block_tables.shape
+        device = block_tables.device
+        self.block_size, self.num_queries_per_kv, self.num_tokens = block_size, num_queries_per_kv, B
+        self.slot_mapping = slot_mapping
+        rows = torch.arange(B, device=device)
+        mask = (torch.arange(W * block_size, device=device)[None, :] < context_lens[:, None]).unsqueeze(1)
+        self.groups = [AttentionGroup(block_tables, mask, fold_mask(mask, num_queries_per_kv), rows[:, None],
+                                      torch.ones(B, 1, dtype=torch.bool, device=device), rows, True)]
+        self.cu_seq_q = torch.arange(B + 1, dtype=torch.int32, device=device)
+        self.context_lens = context_lens.to(torch.int32)
+        self.cu_seq_k = torch.cat([torch.zeros(1, dtype=torch.int32, device=device),
+                                   torch.cumsum(self.context_lens, 0, dtype=torch.int32)])
+        self.block_table = block_tables.to(torch.int32)
+        self.max_q, self.max_k = 1, W * block_size
+        return self
 
     def _group(self, rows, block_tables, context_lens, query_lens, starts, device) -> AttentionGroup:
         bs = self.block_size
@@ -294,28 +340,46 @@ class PagedKVCache:
     """Per-layer K/V pools ``[num_blocks, block_size, kv_heads, head_dim]`` (chapter 05).
 
     ``forward`` writes the step's keys and values through the slot mapping and
-    attends by gathering each sequence's keys through its block table. Whole
-    blocks move between pools with :meth:`copy_blocks` (a fork's copy on
-    write) and :meth:`swap` (to and from the CPU pool, chapter 10).
+    attends by gathering each sequence's keys through its block table (or,
+    where :func:`choose_attention_kernel` finds it, with ``varlen_attn`` over
+    the block table: ``attention_kernel`` says which). Whole blocks move
+    between pools with :meth:`copy_blocks` (a fork's copy on write) and
+    :meth:`swap` (to and from the CPU pool, chapter 10; pinned and on a side
+    stream on CUDA, see :class:`~minivllm.copy_stream.BlockCopier`).
+
+    Each layer's pool has one scratch slot after its last block: a slot
+    mapping of -1 (a CUDA graph's padding row, chapter 12) writes there, and
+    no block table reaches it, so padding rows write nowhere that is read.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype=torch.float32, device="cpu", num_cpu_blocks: int = 0):
+                 dtype=torch.float32, device="cpu", num_cpu_blocks: int = 0, num_queries_per_kv: int = 1,
+                 attention_kernel: str | None = None, num_offload_blocks: int = 0):
+        self.scratch_slot = num_blocks * block_size
+        store = (num_layers, self.scratch_slot + 1, num_kv_heads, head_dim)  # [layer, slot (+ scratch), head, dim]
+        self.k_slots = torch.zeros(store, dtype=dtype, device=device)
+        self.v_slots = torch.zeros(store, dtype=dtype, device=device)
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = self.k_slots[:, :self.scratch_slot].view(shape)
+        self.v = self.v_slots[:, :self.scratch_slot].view(shape)
         # The swap space (chapter 10): the same layout in host memory, pinned on CUDA for fast copies.
         cpu_shape = (num_layers, num_cpu_blocks, block_size, num_kv_heads, head_dim)
         pin = torch.device(device).type == "cuda"
         self.cpu_k = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
         self.cpu_v = torch.zeros(cpu_shape, dtype=dtype, pin_memory=pin)
+        tier_shape = (num_layers, num_offload_blocks, block_size, num_kv_heads, head_dim)  # the offload tier (ch. 14)
+        self.tier_k = torch.zeros(tier_shape, dtype=dtype, pin_memory=pin)
+        self.tier_v = torch.zeros(tier_shape, dtype=dtype, pin_memory=pin)
         self.block_size = block_size
+        self.copier = BlockCopier(torch.device(device))
+        self.attention_kernel = attention_kernel or choose_attention_kernel(device, dtype, num_queries_per_kv)
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0):
+    def for_model(cls, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0):
         c, p = model.config, next(model.parameters())
         return cls(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, model.head_dim,
-                   p.dtype, p.device, num_cpu_blocks)
+                   p.dtype, p.device, num_cpu_blocks, c.num_attention_heads // c.num_key_value_heads,
+                   num_offload_blocks=num_offload_blocks)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole device blocks, every layer: (source, destination) pairs."""
@@ -327,10 +391,25 @@ class PagedKVCache:
 
     def swap(self, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
         """Copy whole blocks, every layer: (device, cpu) pairs to the CPU pool, or (cpu, device) pairs back."""
+        self._host_copy(((self.k, self.cpu_k), (self.v, self.cpu_v)), pairs, to_cpu)
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """Evicted cached blocks to the CPU offload tier: (device block, tier slot) pairs (chapter 14)."""
+        self._host_copy(((self.k, self.tier_k), (self.v, self.tier_v)), pairs, True)
+
+    def restore(self, pairs: list[tuple[int, int]]) -> None:
+        """Offloaded blocks back into fresh device blocks: (tier slot, device block) pairs (chapter 14)."""
+        self._host_copy(((self.k, self.tier_k), (self.v, self.tier_v)), pairs, False)
+
+    def _host_copy(self, pools, pairs: list[tuple[int, int]], to_cpu: bool) -> None:
+        """Whole blocks between each (device pool, host pool): out, or back in."""
         if not pairs:
             return
+        if self.copier.asynchronous:  # CUDA: pinned copies on a side stream, ordered by events
+            self.copier.swap(pools, pairs, to_cpu)
+            return
         src_ids, dst_ids = (torch.tensor(x, dtype=torch.long) for x in zip(*pairs))
-        for dev, cpu in ((self.k, self.cpu_k), (self.v, self.cpu_v)):
+        for dev, cpu in pools:
             if to_cpu:  # a synchronous copy: the blocks may be reused by this very step
                 cpu[:, dst_ids] = dev[:, src_ids.to(dev.device)].cpu()
             else:
@@ -345,8 +424,11 @@ class PagedKVCache:
     def forward(self, layer: int, q, k, v, positions, batch: PagedBatch):
         kv_heads, d = k.shape[1:]
         k_pool, v_pool = self.k[layer], self.v[layer]
-        k_pool.view(-1, kv_heads, d).index_copy_(0, batch.slot_mapping, k)
-        v_pool.view(-1, kv_heads, d).index_copy_(0, batch.slot_mapping, v)
+        write = torch.where(batch.slot_mapping < 0, self.scratch_slot, batch.slot_mapping)  # -1: the scratch slot
+        self.k_slots[layer].index_copy_(0, write, k)
+        self.v_slots[layer].index_copy_(0, write, v)
+        if self.attention_kernel == VARLEN:
+            return varlen_paged(q, k_pool, v_pool, batch)
         out = torch.empty_like(q)
         for g in batch.groups:  # gather whole blocks, then see them as one run of keys
             B, W = g.block_tables.shape
@@ -357,3 +439,58 @@ class PagedKVCache:
             o = attend(queries, keys, values, g.folded_mask).transpose(1, 2)  # [B, Lq, heads, D]
             out[g.out_index] = o.flatten(0, 1) if g.all_valid else o[g.valid]  # decodes: no padding rows
         return out
+
+    forward.skips_padding_slots = True  # a subclass that overrides forward must say so itself (CUDA graphs rely on it)
+
+
+def varlen_attn_fn():
+    """torch's ``varlen_attn`` (FlashAttention over flat tokens, with a block table), or None in older torch."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10; only on the CUDA path
+    except ImportError:
+        return None
+    return varlen_attn if "block_table" in inspect.signature(varlen_attn).parameters else None
+
+
+def varlen_paged(q, k_pool, v_pool, batch: PagedBatch) -> torch.Tensor:
+    """Attention straight from the pools ``[blocks, block_size, kv_heads, dim]`` through the block table.
+
+    Causal with the diagonal at each sequence's end (bottom right), which is
+    exactly chapter 02's rule for a chunk at the end of its context.
+    """
+    return varlen_attn_fn()(q, k_pool, v_pool, batch.cu_seq_q, batch.cu_seq_k, batch.max_q, batch.max_k,
+                            window_size=(-1, 0), enable_gqa=True, seqused_k=batch.context_lens,
+                            block_table=batch.block_table)
+
+
+def choose_attention_kernel(device, dtype, num_queries_per_kv: int = 1) -> str:
+    """The best attention this device runs correctly, chosen once when the pool is built (chapter 12).
+
+    :data:`VARLEN` needs CUDA, Ampere or newer (FlashAttention), fp16/bf16 and
+    a torch with ``varlen_attn(block_table=...)``, and must agree with
+    :data:`GATHER` on a probe batch (a chunk after cached keys and decodes,
+    grouped-query heads); anything else, the CPU included, gets :data:`GATHER`.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or varlen_attn_fn() is None:
+        return GATHER
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return GATHER
+    try:
+        return VARLEN if _varlen_agrees(device, dtype, num_queries_per_kv) else GATHER
+    except Exception:  # a build or block size the kernel refuses: the gather path is always right
+        return GATHER
+
+
+def _varlen_agrees(device, dtype, group: int, block_size: int = 16, kv_heads: int = 2, d: int = 64) -> bool:
+    """Run one probe batch through both kernels and compare (bf16 tolerance)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    cache = PagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=GATHER)
+    batch = PagedBatch([[3, 1, 4], [5], [7, 9]], [40, 9, 20], [8, 1, 1], block_size, device, group)
+    shapes = ((batch.num_tokens, kv_heads * group, d), (batch.num_tokens, kv_heads, d))
+    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    q, k, v = (torch.randn(shape, generator=g).to(device, dtype) for shape in (shapes[0], shapes[1], shapes[1]))
+    reference = cache.forward(0, q, k, v, None, batch)
+    fast = varlen_paged(q, cache.k[0], cache.v[0], batch)
+    return bool(torch.allclose(fast.float(), reference.float(), atol=2e-2, rtol=2e-2))

@@ -14,6 +14,13 @@ used, and only when a new block is needed and no unhashed free block is left.
 
 Admission is one step: :meth:`lookup_prefix` only looks, and
 :meth:`allocate` claims the hits and the new blocks together, or nothing.
+
+With a CPU offload tier (chapter 14, :mod:`minivllm.kv_tier`) an evicted
+cached block's KV is copied to the tier instead of dropped, and a prompt whose
+chain continues there (:meth:`lookup_offloaded`) gets those blocks restored
+into fresh device blocks. The copies to make are taken once per step
+(:meth:`take_tier_copies`): offloads run before anything writes a device
+block, restores after them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from minivllm.config import cdiv
+from minivllm.kv_tier import OffloadTier
 from minivllm.sequence import Sequence
 
 __all__ = ["slots", "Block", "BlockManager"]
@@ -49,7 +57,7 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_cpu_blocks: int = 0, watermark: float = 0.0):
+                 num_cpu_blocks: int = 0, watermark: float = 0.0, num_offload_blocks: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -65,6 +73,9 @@ class BlockManager:
         self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))  # the swap space (chapter 10)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
+        self.tier = OffloadTier(num_offload_blocks) if num_offload_blocks else None  # chapter 14
+        self.offloads: list[tuple[int, int]] = []  # (device block, tier slot) copies not yet handed to the runner
+        self.restores: list[tuple[int, int]] = []  # (tier slot, device block) copies, likewise
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -86,12 +97,14 @@ class BlockManager:
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_tokens: int, cached_blocks: list[int] = (),
-                 watermark: bool = False) -> bool:
+                 watermark: bool = False, restored: list[int] = ()) -> bool:
         """Grow ``seq``'s table to cover ``num_tokens`` tokens; all or nothing (False: nothing changed).
 
         ``cached_blocks`` (from :meth:`lookup_prefix`, for a sequence without
         blocks) are claimed first. With ``watermark`` the allocation must also
-        leave the admission watermark free (chapter 10).
+        leave the admission watermark free (chapter 10). ``restored`` (tier
+        hashes from :meth:`lookup_offloaded`) are the first new blocks: their
+        KV is copied back from the CPU tier (chapter 14).
         """
         assert not cached_blocks or not seq.block_table, "cached blocks start a sequence without blocks"
         need = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_blocks)
@@ -102,8 +115,10 @@ class BlockManager:
         for block in cached_blocks:
             self.claim(block)
         seq.block_table.extend(cached_blocks)
+        slots = [self.tier.restore(h) for h in restored]  # pinned first: this admission's evictions keep them
         for _ in range(need):
             seq.block_table.append(self.take_free_block())
+        self.restores.extend(zip(slots, seq.block_table[len(cached_blocks):]))
         return True
 
     def claim(self, block: int) -> None:
@@ -118,6 +133,7 @@ class BlockManager:
             block = self.free_blocks.popleft()
         else:
             block, _ = self.evictable.popitem(last=False)
+            self._offload(block)
             self._unregister(block)
         self.blocks[block].ref_count = 1
         return block
@@ -269,6 +285,62 @@ class BlockManager:
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0
 
+    # -- the CPU offload tier (chapter 14) -------------------------------------------------------
+    def lookup_offloaded(self, seq: Sequence, start_block: int) -> list[int]:
+        """The tier hashes of ``seq``'s blocks from ``start_block`` on (after its device hits), without claiming.
+
+        Like :meth:`lookup_prefix`, the last token is never served.
+        """
+        if self.tier is None:
+            return []
+        tokens, bs = tuple(seq.token_ids), self.block_size
+        found: list[int] = []
+        h = None
+        for i in range((len(tokens) - 1) // bs):
+            h = self.chain_hash(h, tokens[i * bs:(i + 1) * bs])
+            if i < start_block:
+                continue
+            if self.tier.find(h, tokens[:(i + 1) * bs]) is None:
+                break
+            found.append(h)
+        return found
+
+    def _offload(self, block: int) -> None:
+        """A cached block is being evicted: queue its KV's copy to the tier (if the tier takes it)."""
+        if self.tier is None:
+            return
+        prefix = self.cached_prefix(block)
+        if prefix is None:  # an ancestor is gone from the device: no exact key, so it is not kept
+            self.tier.num_dropped += 1
+            return
+        slot = self.tier.put(self.blocks[block].hash, prefix)
+        if slot is not None:
+            self.offloads.append((block, slot))
+
+    def cached_prefix(self, block: int) -> tuple[int, ...] | None:
+        """Every token id from position 0 through registered ``block``, read along its parent links."""
+        parts, link = [], (block, self.blocks[block].generation)
+        while link is not None:
+            record = self.blocks[link[0]]
+            if record.hash is None or record.generation != link[1]:
+                return None
+            parts.append(record.tokens)
+            link = record.parent
+        return tuple(t for part in reversed(parts) for t in part)
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The offload and restore copies queued since the last call, for the step's runner; unpins the tier."""
+        offloads, restores = self.offloads, self.restores
+        self.offloads, self.restores = [], []
+        if self.tier is not None:
+            self.tier.unpin_all()
+        return offloads, restores
+
+    def discard_offloads(self, offloads: list[tuple[int, int]]) -> None:
+        """The step was interrupted before these offload copies ran: their tier entries hold no KV."""
+        if self.tier is not None and offloads:
+            self.tier.discard_slots({slot for _, slot in offloads})
+
     # -- checks --------------------------------------------------------------------------------
     def check_invariants(self, seqs) -> None:
         """Every block is free or owned; ref counts equal owners; no block in two places."""
@@ -301,3 +373,5 @@ class BlockManager:
             if record.hash is not None:
                 assert self.hash_to_block.get(record.hash) == block, f"block {block}'s hash points elsewhere"
         assert len(self.hash_to_block) == sum(r.hash is not None for r in self.blocks)
+        if self.tier is not None:
+            self.tier.check_invariants()

@@ -11,6 +11,7 @@ import torch
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": float32 on the CPU, bfloat16 on CUDA (float16 where bf16 is missing)
 CPU_KV_BUDGET_BYTES = 4 << 30  # on the CPU the memory fraction applies to at most 4 GiB
 
 
@@ -55,9 +56,24 @@ class EngineConfig:
     ``pack_weights`` prepacks linear weights for oneDNN on a float32 CPU
     (chapter 12); it never changes the tokens.
 
+    ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
+    GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,
+    decode-only steps replay CUDA graphs (chapter 12) unless ``enforce_eager``.
+
+    ``kv_offload_blocks`` (chapter 14, vLLM's ``--kv-offloading-size`` counted
+    in blocks rather than GiB) gives the prefix cache a CPU tier of that many
+    blocks: evicted cached blocks are copied there and restored on a later hit
+    instead of recomputed. It needs ``enable_prefix_caching`` and one process.
+
     ``tensor_parallel_size`` splits every layer over that many worker
     processes (chapter 15): it must divide the model's query and KV heads,
     which the engine checks against the checkpoint before anything starts.
+
+    ``disaggregated`` runs prefill and decode in two worker processes behind
+    a front (chapter 16, ``LLM(..., disaggregated=True)``); the prefill
+    worker frees a request's blocks when the decode worker acknowledges its
+    KV, or after ``kv_transfer_timeout`` seconds without an answer (the
+    request then fails).
     """
 
     model: str = "smollm2-135m"
@@ -70,6 +86,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = False
     max_prefill_chunk_size: int = 512
     enable_prefix_caching: bool = False
+    kv_offload_blocks: int = 0
     preemption_mode: str = "recompute"
     num_cpu_blocks: int | None = None
     admission_watermark: float = 0.0
@@ -77,10 +94,13 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     priority_aging_rate: float = 0.0
     device: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     seed: int = 0
     pack_weights: bool = True
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
+    disaggregated: bool = False
+    kv_transfer_timeout: float = 30.0
     scheduler_cls: type | str = "minivllm.scheduler.Scheduler"
     block_manager_cls: type | str = "minivllm.block_manager.BlockManager"
     attention_backend: type | str = "minivllm.attention.PagedKVCache"
@@ -106,14 +126,25 @@ class EngineConfig:
         check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
         check(self.device is None or str(self.device).split(":")[0] in available_devices(), "device",
               f"None or one available here: {available_devices()}", self.device)
-        check(self.dtype in DTYPES, "dtype", f"one of {tuple(DTYPES)}", self.dtype)
+        check(self.dtype in DTYPE_CHOICES, "dtype", f"one of {DTYPE_CHOICES}", self.dtype)
         check(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63 - 1]", self.seed)
         check(isinstance(self.pack_weights, bool), "pack_weights", "True or False", self.pack_weights)
+        check(isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager)
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
               "an integer >= 1", self.tensor_parallel_size)
         self._check_tensor_parallel_devices()
+        self._check_kv_offload()
+        self._check_disaggregated()
         for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer"):
             resolve(getattr(self, name), name)
+
+    def _check_disaggregated(self) -> None:
+        """Prefill and decode in two worker processes (chapter 16): one rank each, a positive ack timeout."""
+        check(isinstance(self.disaggregated, bool), "disaggregated", "True or False", self.disaggregated)
+        check(is_number(self.kv_transfer_timeout) and self.kv_transfer_timeout > 0, "kv_transfer_timeout",
+              "a number of seconds > 0", self.kv_transfer_timeout)
+        check(not self.disaggregated or self.tensor_parallel_size == 1, "tensor_parallel_size",
+              "1 with disaggregated=True (each worker runs one process)", self.tensor_parallel_size)
 
     def _check_tensor_parallel_devices(self) -> None:
         """Ranks need a device each on CUDA (NCCL), and the CPU (gloo) elsewhere (chapter 15)."""
@@ -127,13 +158,28 @@ class EngineConfig:
             check(self.tensor_parallel_size <= gpus, "tensor_parallel_size",
                   f"at most the {gpus} CUDA devices here (one per rank)", self.tensor_parallel_size)
 
+    def _check_kv_offload(self) -> None:
+        """The CPU tier extends the prefix cache, in one process (chapter 14)."""
+        check(is_int(self.kv_offload_blocks) and self.kv_offload_blocks >= 0, "kv_offload_blocks",
+              "an integer >= 0", self.kv_offload_blocks)
+        if self.kv_offload_blocks:
+            check(self.enable_prefix_caching, "kv_offload_blocks",
+                  "0 unless enable_prefix_caching=True (the tier extends the prefix cache)", self.kv_offload_blocks)
+            check(self.tensor_parallel_size == 1, "kv_offload_blocks",
+                  "0 with tensor_parallel_size > 1 (the workers carry no tier)", self.kv_offload_blocks)
+
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in fields(cls)}
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return resolve_dtype(self.dtype, self.torch_device)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs on a GPU unless ``enforce_eager`` (chapter 12); the CPU is always eager."""
+        return self.torch_device.type == "cuda" and not self.enforce_eager and self.tensor_parallel_size == 1
 
     @property
     def torch_device(self) -> torch.device:
@@ -141,6 +187,15 @@ class EngineConfig:
 
     def blocks_for(self, num_tokens: int) -> int:
         return cdiv(num_tokens, self.block_size)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` is float32 on the CPU, bfloat16 on CUDA (float16 on GPUs without bf16, e.g. a T4); others as named."""
+    if name != "auto":
+        return DTYPES[name]
+    if torch.device(device).type != "cuda":
+        return torch.float32
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
 
 
 def available_devices() -> tuple[str, ...]:

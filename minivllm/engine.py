@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
-from minivllm.attention import PagedKVCache
+from minivllm.attention import GATHER, PagedKVCache
 from minivllm.config import EngineConfig, check, cpu_pool_blocks, free_memory_bytes, is_int, is_number, resolve
 from minivllm.detokenizer import OutputText
 from minivllm.distributed import TensorParallelRunner, WorkerError, start_workers
@@ -45,7 +45,7 @@ from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence, SequenceStatus
 from minivllm.timing import PhaseClock
 
-__all__ = ["LLMEngine", "LLM"]
+__all__ = ["LLMEngine", "LLM", "make_engine"]
 
 MAX_PRIORITY = 2**63  # priorities are integers in (-MAX_PRIORITY, MAX_PRIORITY)
 
@@ -71,6 +71,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig | None = None, **kwargs):
         self.config = config = config or EngineConfig(**kwargs)
+        check(not config.disaggregated, "disaggregated",
+              "False for LLMEngine (make_engine(config) or LLM(..., disaggregated=True) runs the two workers)",
+              config.disaggregated)
         self.lock = threading.RLock()
         # Tensor parallelism (chapter 15): the other ranks start first and load their shards meanwhile.
         self.workers = start_workers(config) if config.tensor_parallel_size > 1 else None
@@ -103,14 +106,17 @@ class LLMEngine:
         self.kv_bytes_per_block = PagedKVCache.bytes_per_token(self.model) * config.block_size  # this rank's heads
         self.num_blocks = config.num_blocks or self._blocks_from_memory()
         self.num_cpu_blocks = cpu_pool_blocks(config, self.num_blocks)
+        tier = {"num_offload_blocks": config.kv_offload_blocks} if config.kv_offload_blocks else {}  # chapter 14
         self.block_manager = resolve(config.block_manager_cls)(
             self.num_blocks, config.block_size, config.enable_prefix_caching, self.num_cpu_blocks,
-            config.admission_watermark)
+            config.admission_watermark, **tier)
         self.scheduler = resolve(config.scheduler_cls)(config, self.block_manager, self.max_model_len,
                                                        self._eos_token_ids(), self.kv_bytes_per_block)
         args = (self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
                 resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
-        self.runner = ModelRunner(*args) if self.workers is None else TensorParallelRunner(self.workers, *args)
+        self.runner = ModelRunner(*args, **tier) if self.workers is None else TensorParallelRunner(self.workers, *args)
+        if config.use_cuda_graphs and self.workers is None:  # decode steps replay CUDA graphs (chapter 12)
+            self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (chapter 15); idempotent, a no-op with one process.
@@ -376,6 +382,7 @@ class LLMEngine:
         with self.lock:
             running = self.scheduler.running
             bm = self.block_manager
+            graphs = getattr(self.runner, "graph_runner", None)
             return EngineStats(
                 num_running=sum(s.status == SequenceStatus.RUNNING for s in running),
                 num_prefilling=sum(s.status == SequenceStatus.PREFILLING for s in running),
@@ -392,12 +399,38 @@ class LLMEngine:
                 prefix_cache_queries=bm.prefix_queried_tokens,
                 prefix_cache_hits=bm.prefix_hit_tokens,
                 num_failed_requests=self.num_failed_requests,
+                **self._tier_stats(bm),
+                attention_kernel=getattr(self.runner.kv_cache, "attention_kernel", GATHER),
+                cuda_graph_sizes=tuple(sorted(graphs.graphs)) if graphs is not None else (),
             )
+
+    def _tier_stats(self, bm) -> dict:
+        """The CPU offload tier's counters, in blocks and bytes, and its share of the prefix hits (chapter 14)."""
+        tier = getattr(bm, "tier", None)
+        if tier is None:
+            return {}
+        counts = {"offloaded": tier.num_offloaded, "restored": tier.num_restored, "dropped": tier.num_dropped}
+        stats = {f"num_{k}_blocks": v for k, v in counts.items()}
+        stats.update({f"num_{k}_bytes": v * self.kv_bytes_per_block for k, v in counts.items()})
+        stats.update(num_tier_blocks=len(tier), num_total_tier_blocks=tier.num_slots,
+                     prefix_cache_tier_hits=tier.num_restored * bm.block_size)
+        return stats
 
     def check_invariants(self) -> None:
         """Block-pool invariants over every live sequence (tests call this after each step)."""
         with self.lock:
             self.block_manager.check_invariants(self.scheduler.sequences)
+
+
+def make_engine(config: EngineConfig) -> LLMEngine:
+    """The engine a config asks for: an LLMEngine, or with ``disaggregated`` the front of two workers (chapter 16).
+
+    The front lives a layer above (it runs LLMEngines in its workers), so it
+    is named, like an extension point, and imported only when asked for.
+    """
+    if config.disaggregated:
+        return resolve("minivllm.disaggregation.DisaggregatedEngine", "disaggregated")(config)
+    return LLMEngine(config)
 
 
 class LLM:
@@ -411,7 +444,7 @@ class LLM:
         unknown = set(kwargs) - EngineConfig.field_names()
         if unknown:
             raise ValueError(f"unknown engine options {sorted(unknown)}; allowed: {sorted(EngineConfig.field_names())}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = make_engine(EngineConfig(model=model, **kwargs))
         self._ids = itertools.count()
         self._inboxes: dict[str, deque] = {}  # outputs of this LLM's requests, until its calls take them
 

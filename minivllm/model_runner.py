@@ -23,6 +23,7 @@ import torch
 
 from minivllm.attention import PagedBatch, PagedKVCache
 from minivllm.block_manager import slots
+from minivllm.cuda_graphs import DecodeGraphRunner
 from minivllm.sampler import Sampler, SamplerOutput
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
@@ -49,18 +50,39 @@ class ModelRunner:
     """Owns the model, the KV pools (``kv_cache_cls``, the attention backend) and the sampler."""
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 kv_cache_cls=PagedKVCache, sampler=None):
+                 kv_cache_cls=PagedKVCache, sampler=None, num_offload_blocks: int = 0):
         self.model = model
         self.device = model.lm_head.weight.device
         self.block_size = block_size
-        self.kv_cache = kv_cache_cls.for_model(model, num_blocks, block_size, num_cpu_blocks)
+        tier = {"num_offload_blocks": num_offload_blocks} if num_offload_blocks else {}  # chapter 14's CPU tier
+        self.kv_cache = kv_cache_cls.for_model(model, num_blocks, block_size, num_cpu_blocks, **tier)
         self.sampler = sampler if sampler is not None else Sampler(self.device)
         self.num_queries_per_kv = model.config.num_attention_heads // model.config.num_key_value_heads
+        self.graph_runner: DecodeGraphRunner | None = None  # decode steps through static buffers (chapter 12)
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool = True) -> bool:
+        """Run decode-only steps through a :class:`~minivllm.cuda_graphs.DecodeGraphRunner` (chapter 12).
+
+        ``capture`` records CUDA graphs (a GPU); without it the same padded
+        batch runs eagerly (how the CPU tests drive it). Refused (False) for an
+        attention backend whose ``forward`` does not declare that slot -1 writes
+        nowhere, since padding rows would write into the pool.
+        """
+        if not getattr(type(self.kv_cache).forward, "skips_padding_slots", False):
+            return False
+        self.graph_runner = DecodeGraphRunner(self.model, self.kv_cache, self.block_size, max_num_seqs, max_model_len,
+                                              self.num_queries_per_kv, capture)
+        return True
 
     def copy_blocks(self, out: SchedulerOutput) -> None:
-        """A fork's copies first, then swap-outs, then swap-ins (they may reuse blocks just swapped out)."""
+        """Offloads to the CPU tier first (their blocks were evicted and may be written by any later copy),
+        then a fork's copies, swap-outs, restores from the tier and swap-ins (they may reuse blocks just copied out)."""
+        if out.offload:
+            self.kv_cache.offload(out.offload)
         self.kv_cache.copy_blocks(out.copies)
         self.kv_cache.swap(out.swap_out, to_cpu=True)
+        if out.restore:
+            self.kv_cache.restore(out.restore)
         self.kv_cache.swap(out.swap_in, to_cpu=False)
 
     def step_inputs(self, chunks: list[ScheduledChunk]) -> StepInputs:
@@ -105,9 +127,13 @@ class ModelRunner:
 
     def forward_inputs(self, inputs: StepInputs, mark=_noop_mark) -> torch.Tensor | None:
         """One forward over a step's inputs; the logits of the rows that sample (None when no row samples)."""
-        ids, positions, batch, rows = self.tensors(inputs)
-        mark("prepare")
-        hidden = self.model.forward(ids, positions, self.kv_cache, batch)
+        if self.graph_runner is not None and self.graph_runner.fits(inputs):
+            hidden = self.graph_runner.run(inputs, mark)  # the real rows only
+            rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=self.device)
+        else:
+            ids, positions, batch, rows = self.tensors(inputs)
+            mark("prepare")
+            hidden = self.model.forward(ids, positions, self.kv_cache, batch)
         mark("forward")
         if len(rows) == 0:
             return None

@@ -55,10 +55,28 @@ class EngineStats:
     prefix_cache_queries: int = 0  # tokens looked up in the prefix cache (vLLM's counter)
     prefix_cache_hits: int = 0  # of those, tokens found
     num_failed_requests: int = 0
+    # The CPU offload tier of the prefix cache (chapter 14): blocks (and bytes) copied there at eviction, copied back
+    # on a hit, and lost (dropped from the full tier, or not taken in); its entries and size.
+    num_offloaded_blocks: int = 0
+    num_offloaded_bytes: int = 0
+    num_restored_blocks: int = 0
+    num_restored_bytes: int = 0
+    num_dropped_blocks: int = 0
+    num_dropped_bytes: int = 0
+    num_tier_blocks: int = 0
+    num_total_tier_blocks: int = 0
+    prefix_cache_tier_hits: int = 0  # of prefix_cache_hits, tokens restored from the tier (the rest: on the device)
+    attention_kernel: str = "gather+sdpa"  # the KV pool's attention kernel (chapter 12): "gather+sdpa" or "varlen+block_table"
+    cuda_graph_sizes: tuple = ()  # decode batch sizes captured as CUDA graphs (empty: eager, always on the CPU)
 
     @property
     def num_used_blocks(self) -> int:
         return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def prefix_cache_device_hits(self) -> int:
+        """Prefix-cache hit tokens found on the device (chapter 14 splits them from the tier's)."""
+        return self.prefix_cache_hits - self.prefix_cache_tier_hits
 
     @property
     def kv_utilization(self) -> float:

@@ -35,7 +35,8 @@ lose computed tokens: listed by rank, the computed-token counts grow
 lexicographically every step and are bounded, so every request finishes.
 
 Pure Python: no tensors here; the block copies to make (a fork's copy on
-write, swaps) are listed in the ``SchedulerOutput`` for the model runner.
+write, swaps, the CPU offload tier's offloads and restores, chapter 14) are
+listed in the ``SchedulerOutput`` for the model runner.
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) device blocks, first
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, cpu block), next
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu block, device block), last
+    offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, tier slot), before everything
+    restore: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, device block), before swap_in
     copied_into: list[Sequence] = field(default_factory=list)  # sequences whose KV these copies write
     num_batched_tokens: int = 0
 
@@ -218,6 +221,8 @@ class Scheduler:
         if not out.preempted:  # memory is short in a step that had to preempt: admit nothing
             self.schedule_swapped(out)
             self.schedule_waiting(out)
+        if self.config.kv_offload_blocks:
+            out.offload, out.restore = self.block_manager.take_tier_copies()
         self.step_index += 1
         return out
 
@@ -250,12 +255,15 @@ class Scheduler:
         while len(self.waiting) and self.has_room(out):
             seq = self.waiting.peek()
             hits = bm.lookup_prefix(seq)
-            cached = len(hits) * bm.block_size
+            restored = bm.lookup_offloaded(seq, len(hits)) if self.config.kv_offload_blocks else []
+            cached = (len(hits) + len(restored)) * bm.block_size
             n = self.num_new_tokens(seq, cached, out)
             # The watermark keeps headroom for running sequences (new ones only; none running, nothing to keep).
             watermark = seq.metrics.first_scheduled_time is None and bool(self.running)
-            if not n or not bm.allocate(seq, cached + n, hits, watermark):
+            if not n or not bm.allocate(seq, cached + n, hits, watermark, *([restored] if restored else [])):
                 break  # first come, first served: nobody overtakes a request that does not fit
+            if restored:  # its KV arrives by this step's restore copies (chapter 14)
+                out.copied_into.append(seq)
             self.waiting.pop()
             seq.cached_token_count = cached
             bm.record_prefix_lookup(seq, cached)
@@ -342,6 +350,8 @@ class Scheduler:
 
     def discard_copies(self, out: SchedulerOutput) -> None:
         """After a step was interrupted before its block copies completed: recompute whatever they held."""
+        if out.offload:  # the tier entries those copies were to fill hold nothing (chapter 14)
+            self.block_manager.discard_offloads(out.offload)
         for seq in out.copied_into + [s for s in out.preempted if s.status is S.SWAPPED]:
             if seq.status in (S.RUNNING, S.PREFILLING):
                 self.running.remove(seq)

@@ -17,7 +17,8 @@ from helpers import greedy, run_engine
 ROOT = Path(__file__).resolve().parent.parent
 CORE = ["config", "sampling_params", "sequence", "outputs", "block_manager", "scheduler", "simulator", "attention", "sampler",
         "detokenizer", "model_runner", "engine", "timing", "preemption", "simple_generation", "models/llama",
-        "models/loader", "models/parallel", "distributed/workers", "distributed/protocol", "distributed/runner"]
+        "models/loader", "models/parallel", "copy_stream", "cuda_graphs", "distributed/workers", "distributed/protocol", "distributed/runner",
+        "kv_transfer", "disaggregation/link", "disaggregation/worker", "disaggregation/front"]
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:

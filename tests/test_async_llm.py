@@ -148,3 +148,34 @@ def test_the_loop_thread_is_the_only_one_that_steps():
     finally:
         llm.close()
     assert stepped_by == {"minivllm-engine-loop"}
+
+
+def test_given_a_builder_the_loop_thread_builds_the_engine_and_its_error_reaches_the_caller():
+    built_by = []
+
+    def build():
+        built_by.append(threading.current_thread().name)
+        return LLMEngine(model="tiny-random", **OPTIONS)
+
+    llm = AsyncLLM(build)
+    try:
+        assert built_by == ["minivllm-engine-loop"]
+        outs = asyncio.run(collect(llm, PROMPTS[0], greedy(3, ignore_eos=True)))
+        assert len(outs[-1].outputs[0].token_ids) == 3 and outs[-1].finished
+    finally:
+        llm.close()
+    with pytest.raises(ValueError, match="block_size"):
+        AsyncLLM(lambda: LLMEngine(model="tiny-random", **{**OPTIONS, "block_size": 0}))
+
+
+def test_a_busy_loop_refreshes_the_gauges_and_an_idle_one_makes_them_exact():
+    from minivllm.serving.metrics import ServerMetrics
+
+    metrics = ServerMetrics("tiny-random")
+    llm = AsyncLLM(LLMEngine(model="tiny-random", **OPTIONS), metrics=metrics)
+    try:
+        asyncio.run(collect(llm, PROMPTS[0], greedy(40, ignore_eos=True)))
+        assert wait_until(lambda: metrics.running._value.get() == 0 and metrics.used_blocks._value.get() == 0)
+        assert metrics.generation_tokens._value.get() == 40
+    finally:
+        llm.close()

@@ -2,17 +2,20 @@
 
 ``minivllm.bench`` re-exports every module's ``__all__``, so chapters write
 ``from minivllm.bench import replay, percentile``. ``python -m minivllm.bench
-[interference|shared-prefix|preemption|serving]`` runs a chapter's experiment.
+[interference|shared-prefix|preemption|serving|kv-offload|disaggregation]`` runs a chapter's experiment.
 """
 
 import sys
 
-from minivllm.bench import (baselines, harness, interference, metrics, online, preemption, server_process,
+from minivllm.bench import (baselines, disaggregation, harness, interference, kv_offload, metrics, online, preemption,
+                            server_process,
                             serving_sweep, shared_prefix, throughput, timing, trace, workloads)
 from minivllm.bench.baselines import *  # noqa: F401,F403
+from minivllm.bench.disaggregation import *  # noqa: F401,F403
 from minivllm.bench.cli import SUBCOMMANDS
 from minivllm.bench.harness import *  # noqa: F401,F403
 from minivllm.bench.interference import *  # noqa: F401,F403
+from minivllm.bench.kv_offload import *  # noqa: F401,F403
 from minivllm.bench.metrics import *  # noqa: F401,F403
 from minivllm.bench.online import *  # noqa: F401,F403
 from minivllm.bench.preemption import *  # noqa: F401,F403
@@ -26,16 +29,18 @@ from minivllm.bench.workloads import *  # noqa: F401,F403
 from minivllm.simulator import SimTrace, sim_sequence, simulate_schedule  # chapter 10's simulator, from its old home
 
 __all__ = [name for module in (timing, metrics, workloads, baselines, trace, harness, throughput, interference,
-                               shared_prefix, preemption, online, server_process, serving_sweep)
+                               shared_prefix, preemption, online, server_process, serving_sweep, kv_offload,
+                               disaggregation)
            for name in module.__all__]
 __all__ += ["SimTrace", "sim_sequence", "simulate_schedule", "SUBCOMMANDS", "main"]
 
 _EXPERIMENTS = {"interference": interference.interference_main, "shared-prefix": shared_prefix.shared_prefix_main,
-                "preemption": preemption.preemption_main, "serving": serving_sweep.serving_sweep_main}
+                "preemption": preemption.preemption_main, "serving": serving_sweep.serving_sweep_main,
+                "kv-offload": kv_offload.kv_offload_main, "disaggregation": disaggregation.disaggregation_main}
 
 
 def main(argv=None) -> int:
-    """``python -m minivllm.bench [interference|shared-prefix|preemption|serving] ...``: the named chapter experiment,
+    """``python -m minivllm.bench [interference|shared-prefix|preemption|serving|kv-offload|disaggregation] ...``: the named chapter experiment,
     by default the throughput comparison with HF transformers."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in _EXPERIMENTS:

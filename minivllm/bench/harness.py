@@ -214,8 +214,8 @@ def run_ladder(workload: Workload, model: str = "smollm2-135m", device=None, bat
     unknown = set(rungs) - set(LADDER)
     if unknown:
         raise ValueError(f"rungs must be among {LADDER}, got {sorted(unknown)}")
-    m, _ = load_model(model, device)
-    opts = dict(device=str(m.lm_head.weight.device), **engine_options)
+    m, _ = load_model(model, device)  # float32: every rung, the engine too, runs the same weights in the same dtype
+    opts = dict(device=str(m.lm_head.weight.device), dtype="float32", **engine_options)
     runs = {
         LADDER[0]: lambda: run_naive(m, workload),
         LADDER[1]: lambda: run_contiguous(m, workload),

@@ -42,6 +42,8 @@ class StepMessage:
     copies: list[tuple[int, int]] = field(default_factory=list)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
+    offload: tuple = ()  # no CPU tier under tensor parallelism (the config refuses it): ModelRunner.copy_blocks reads these
+    restore: tuple = ()
 
 
 def _flat_pairs(pairs) -> list[int]:

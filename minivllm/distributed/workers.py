@@ -44,7 +44,7 @@ from minivllm.models import TensorParallelGroup, load_config, load_model_shard
 from minivllm.models.parallel import valid_tensor_parallel_sizes, weight_bytes
 
 __all__ = ["TIMEOUT", "WorkerError", "Workers", "check_tensor_parallel_size", "start_workers", "torchrun_rank",
-           "memory_report", "run_on_ranks"]
+           "memory_report", "run_on_ranks", "watch_parent", "stop_process"]
 
 TIMEOUT = datetime.timedelta(seconds=300)  # rank 0's longest wait: the rendezvous, one collective
 IDLE = datetime.timedelta(days=365)  # a worker waiting for rank 0's next step (it leaves when rank 0 is gone)
@@ -189,16 +189,21 @@ class Workers:
             except Exception:  # a worker already gone: the kills below finish the job
                 graceful = False
         for p in self.processes.values():
-            p.join(GRACE if graceful else 0)
-            if p.exitcode is None:
-                p.kill()
-                p.join(GRACE)
+            stop_process(p, GRACE if graceful else 0)
         for conn in self.pipes.values():
             conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
         if self.threads_before:
             torch.set_num_threads(self.threads_before)
+
+
+def stop_process(p, grace: float) -> None:
+    """Give a worker process ``grace`` seconds to leave, then kill it and reap it (bounded)."""
+    p.join(grace)
+    if p.exitcode is None:
+        p.kill()
+        p.join(GRACE)
 
 
 def start_workers(config: EngineConfig) -> Workers:
@@ -266,7 +271,7 @@ def _wait_for_hellos(handle: Workers) -> None:
 
 def worker_main(rank: int, world: int, port: int, config: EngineConfig, threads: int, conn) -> None:
     """A spawned rank: join rank 0's store, load the shard, serve steps; report a traceback if anything fails."""
-    _watch_parent(os.getppid())
+    watch_parent(os.getppid(), "minivllm-tp-watchdog")
     try:
         torch.set_num_threads(threads)
         conn.send(("hello", os.getpid()))
@@ -285,14 +290,14 @@ def worker_main(rank: int, world: int, port: int, config: EngineConfig, threads:
         conn.close()
 
 
-def _watch_parent(parent: int) -> None:
-    """Leave at once if the process that spawned this worker (rank 0) is gone."""
+def watch_parent(parent: int, name: str) -> None:
+    """Leave at once if the process that spawned this worker (rank 0, or a disaggregated front) is gone."""
     def watch():
         while os.getppid() == parent:
             time.sleep(1.0)
         os._exit(1)
 
-    threading.Thread(target=watch, name="minivllm-tp-watchdog", daemon=True).start()
+    threading.Thread(target=watch, name=name, daemon=True).start()
 
 
 @torch.inference_mode()

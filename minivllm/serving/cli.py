@@ -16,8 +16,8 @@ from dataclasses import MISSING, fields
 
 import uvicorn
 
-from minivllm.config import DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
-from minivllm.engine import LLMEngine
+from minivllm.config import DTYPE_CHOICES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from minivllm.engine import LLMEngine, make_engine
 from minivllm.sampling_params import SamplingParams
 from minivllm.serving.api import OpenAIServing
 from minivllm.serving.app import build_app
@@ -44,7 +44,8 @@ FIELD_HELP = {
     "scheduling_policy": f"order of the waiting queue: {', '.join(SCHEDULING_POLICIES)}",
     "priority_aging_rate": "priority gained per step waited (priority policy)",
     "device": "cpu or cuda (default: cuda when available)",
-    "dtype": f"weights and KV: {', '.join(DTYPES)}",
+    "dtype": f"weights and KV: {', '.join(DTYPE_CHOICES)} (auto: float32 on cpu, bfloat16 on cuda)",
+    "enforce_eager": "never replay decode steps as CUDA graphs (graphs are on by default on cuda)",
     "seed": "seed of the sampler for requests without their own seed",
     "pack_weights": "prepack linear weights for oneDNN on a float32 CPU",
     "scheduler_cls": "scheduler class, as a dotted name",
@@ -53,7 +54,7 @@ FIELD_HELP = {
     "sampler": "sampler class, as a dotted name",
     "detokenizer": "incremental detokenizer class, as a dotted name",
 }
-CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": tuple(DTYPES)}
+CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": DTYPE_CHOICES}
 TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
 
 
@@ -105,12 +106,13 @@ def engine_config(args, parser: argparse.ArgumentParser) -> EngineConfig:
         parser.error(f"argument {_flag(field) if field in options else '--model'}: {e}")
 
 
-def warm_up(engine: LLMEngine) -> None:
+def warm_up(engine: LLMEngine) -> LLMEngine:
     """One short request before the port opens: the first forwards pay one-off set-up costs."""
     engine.add_request("warm-up", list(range(100, 116)), SamplingParams(temperature=0.0, max_tokens=2,
                                                                         ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
+    return engine
 
 
 class GracefulServer(uvicorn.Server):
@@ -129,11 +131,10 @@ def serve_main(args, parser: argparse.ArgumentParser) -> int:
     """Load the model, open the port, serve until SIGTERM or Ctrl-C; 0 after a graceful stop."""
     config = engine_config(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(config)
-    warm_up(engine)
     name = args.served_model_name or config.model
     metrics = ServerMetrics(name)
-    async_llm = AsyncLLM(engine, args.max_queue_size, metrics)
+    async_llm = AsyncLLM(lambda: warm_up(make_engine(config)), args.max_queue_size, metrics)  # built in its thread
+    engine = async_llm.engine
     app = build_app(OpenAIServing(async_llm, name), metrics)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=int(args.shutdown_grace) + 5), async_llm,
@@ -144,6 +145,7 @@ def serve_main(args, parser: argparse.ArgumentParser) -> int:
         signal.signal(sig, _drained)
     server.run()
     async_llm.close()
+    engine.shutdown()  # worker processes (tensor parallel, disaggregated), if any
     return 0
 
 

@@ -63,10 +63,13 @@ class ServerMetrics:
         self._last: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self._seen: dict[str, int] = {}  # request id -> token times already observed
 
-    def record(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
-        """After a step: this step's outputs into the histograms, the engine's stats into gauges and counters."""
+    def record(self, outputs: list[RequestOutput], stats: EngineStats | None) -> None:
+        """After a step: this step's outputs into the histograms, the engine's stats (if any) into gauges and
+        counters."""
         for out in outputs:
             self._observe(out)
+        if stats is None:
+            return
         self.running.set(stats.num_running + stats.num_prefilling)
         self.waiting.set(stats.num_waiting)
         self.swapped.set(stats.num_swapped)

@@ -1,0 +1,293 @@
+"""The prefill and the decode worker processes: an engine each, the front's pipe, the KV link (chapter 16).
+
+A worker is spawned by the front (``torch.multiprocessing``, spawn, so it
+works from Jupyter and Colab), builds its own :class:`~minivllm.engine.LLMEngine`
+and KV pool, joins the KV link (:mod:`minivllm.disaggregation.link`) and
+checks the peer's fingerprint, then loops: the front's messages (add, abort,
+stats, join a new epoch, shutdown), its engine's step, and transfers.
+
+- The prefill worker runs each prompt with ``max_tokens=1``. Its scheduler
+  holds a finished request's blocks (:func:`~minivllm.kv_transfer.holding_scheduler`);
+  it sends the front the first token, then the KV to the decode worker,
+  and frees the blocks on the ack; on no ack within the timeout (or a dead
+  peer) it frees them too, the request fails, and it reports the link down.
+- The decode worker, between its steps, receives a posted transfer,
+  allocates blocks, writes the KV and acknowledges (ACK_OWNED); from then on
+  the request is its own. A request the front aborted gets an empty ack.
+  KV that finds no free blocks waits in host memory (owned, acknowledged)
+  and is admitted when blocks free up.
+
+Every message to the front is a tuple ``(kind, ...)``; a worker leaves when
+the front's process is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from collections import Counter, deque
+from dataclasses import replace
+
+import torch
+
+from minivllm.config import EngineConfig, resolve
+from minivllm.disaggregation.link import ACK_EMPTY, ACK_OWNED, DECODE, PREFILL, LinkError, open_link
+from minivllm.distributed.workers import watch_parent
+from minivllm.engine import LLMEngine
+from minivllm.kv_transfer import first_delta, fingerprint, held, holding_scheduler, read_kv, release, start_decode
+
+__all__ = ["worker_main", "PrefillWorker", "DecodeWorker"]
+
+COUNTERS = ("bytes_sent", "bytes_received", "transfers", "empty_acks")
+IDLE_POLL = 0.005
+JOIN_TIMEOUT = 300.0  # seconds to wait for the peer at a (re)start: it may be loading its model  # seconds an idle worker waits for the front's next message
+
+
+def worker_main(role: int, port: int, epoch: int, config: EngineConfig, conn, threads: int, core: int | None,
+                timeout: float) -> None:
+    """A spawned worker's life; any failure is reported to the front with its traceback."""
+    watch_parent(os.getppid(), f"minivllm-{'prefill' if role == PREFILL else 'decode'}-watchdog")
+    try:
+        if core is not None:
+            os.sched_setaffinity(0, {core})
+        torch.set_num_threads(threads)
+        conn.send(("hello", os.getpid()))
+        cls = PrefillWorker if role == PREFILL else DecodeWorker
+        cls(config, conn, port, epoch, timeout).run()
+    except BaseException as e:
+        kind = "refused" if isinstance(e, ValueError) else "error"
+        print(f"minivllm {cls_name(role)} worker:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        try:
+            conn.send((kind, str(e) if kind == "refused" else traceback.format_exc()))
+        except OSError:  # the front is gone
+            pass
+        sys.exit(1)
+    finally:
+        conn.close()
+
+
+def cls_name(role: int) -> str:
+    return "prefill" if role == PREFILL else "decode"
+
+
+class Worker:
+    """What both workers share: the engine, the link, the front's messages, stats and fault points."""
+
+    role = PREFILL
+
+    def __init__(self, config: EngineConfig, conn, port: int, epoch: int, timeout: float):
+        self.engine = LLMEngine(self.engine_config(config))
+        self.conn, self.port, self.timeout = conn, port, timeout
+        self.past = Counter()  # transfer counters of earlier epochs
+        self.faults: dict[str, float] = {}  # fault point -> seconds to sleep there (-1: die there)
+        self.running = True
+        self.join(epoch)
+
+    def engine_config(self, config: EngineConfig) -> EngineConfig:
+        return config
+
+    def join(self, epoch: int) -> None:
+        """Form epoch ``epoch``'s group with the peer and check its fingerprint."""
+        if getattr(self, "link", None) is not None:
+            self.past.update({k: self.link.counters()[k] for k in COUNTERS})
+        self.link = None
+        link = open_link(self.port, self.role, epoch, JOIN_TIMEOUT, self.timeout)
+        link.handshake(fingerprint(self.engine), JOIN_TIMEOUT)
+        self.link = link
+        self.conn.send(("ready", epoch, self.info()))
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"pid": os.getpid(), "num_blocks": e.num_blocks, "max_model_len": e.max_model_len,
+                "vocab_size": e.vocab_size, "fingerprint": fingerprint(e),
+                "element_size": e.runner.kv_cache.k.element_size()}
+
+    def fault(self, point: str) -> None:
+        """A fault the tests inject at a named point: sleep there, or die there (SIGKILL, a real crash)."""
+        seconds = self.faults.get(point)
+        if seconds is None:
+            return
+        if seconds < 0:
+            os.kill(os.getpid(), 9)
+        time.sleep(seconds)
+
+    def stats(self) -> dict:
+        """The engine's stats, the transfer counters, and whether the block invariants hold."""
+        e = self.engine
+        try:
+            e.check_invariants()
+            invariants = "ok"
+        except AssertionError as err:
+            invariants = f"broken: {err}"
+        now = self.link.counters() if self.link else {}
+        counters = {k: self.past[k] + now.get(k, 0) for k in COUNTERS}
+        return {"engine": e.stats(), "invariants": invariants, "held": len(held(e)),
+                "unfinished": len(e.requests), **counters}
+
+    def handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "abort":
+            self.abort(msg[1])
+        elif kind == "stats":
+            self.conn.send(("stats", self.stats()))
+        elif kind == "join":
+            self.join(msg[1])
+        elif kind == "fault":
+            self.faults[msg[1]] = msg[2]
+        elif kind == "shutdown":
+            self.running = False
+        else:
+            self.handle_more(msg)
+
+    def handle_more(self, msg: tuple) -> None:
+        raise ValueError(f"unknown message {msg[0]!r}")
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+
+    def drain(self) -> None:
+        """Handle every message the front has sent so far."""
+        while self.running and self.conn.poll(0):
+            self.handle(self.conn.recv())
+
+    def run(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished_requests() or self.has_work()
+            if self.conn.poll(0 if busy else IDLE_POLL):
+                self.handle(self.conn.recv())
+                continue
+            if self.link is not None:
+                self.work()
+
+    def has_work(self) -> bool:
+        return False
+
+    def work(self) -> None:
+        raise NotImplementedError
+
+
+class PrefillWorker(Worker):
+    """Runs prompts (max_tokens=1), sends the first token to the front and the KV to the decode worker."""
+
+    role = PREFILL
+
+    def __init__(self, *args):
+        self.params: dict = {}  # request id -> the front's SamplingParams (the engine runs max_tokens=1)
+        super().__init__(*args)
+
+    def engine_config(self, config: EngineConfig) -> EngineConfig:
+        return replace(config, scheduler_cls=holding_scheduler(resolve(config.scheduler_cls)))
+
+    def handle_more(self, msg: tuple) -> None:
+        _, request_id, prompt_ids, params, priority, arrival_time = msg
+        self.params[request_id] = params
+        self.engine.add_request(request_id, prompt_ids, replace(params, max_tokens=1), priority, arrival_time)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        release(self.engine, request_id)
+        self.params.pop(request_id, None)
+
+    def work(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            return
+        for out in self.engine.step():
+            if out.finished:
+                self.finished(out, self.params.pop(out.request_id))
+
+    def finished(self, out, params) -> None:
+        """Final at the prefill (stop, error, max_tokens 1) or handed to the decode worker."""
+        c = out.outputs[0]
+        if c.finish_reason != "length" or params.max_tokens == 1:
+            release(self.engine, out.request_id)
+            self.conn.send(("out", out))
+            return
+        self.conn.send(("first", out, first_delta(self.engine, out.prompt_token_ids, params, c.token_ids[0])))
+        self.transfer(out, params, c.token_ids[0])
+
+    def posted(self, request_id: str) -> None:
+        """The header is out: from here an abort can only come as the decode worker's empty ack."""
+        self.conn.send(("sending", request_id))
+        self.fault("prefill:mid_send")
+
+    def transfer(self, out, params, first_token: int) -> None:
+        """Send the held KV; free it on the ack, on a timeout or on a dead peer (then the request fails)."""
+        rid = out.request_id
+        header = {"request_id": rid, "prompt_ids": out.prompt_token_ids, "params": params, "first_token": first_token}
+        try:
+            self.fault("prefill:before_send")
+            self.drain()  # an abort that came meanwhile: nothing is sent (the blocks were released)
+            if rid not in held(self.engine):
+                return
+            ack = self.link.send_kv(header, read_kv(self.engine, rid), lambda: self.posted(rid))
+        except LinkError as e:
+            release(self.engine, rid)
+            self.link = None
+            self.conn.send(("link_down", str(e)))  # first: the front restarts the peer, then fails the request
+            self.conn.send(("failed", rid, f"KV transfer to the decode worker failed: {e}; the prefill worker "
+                                           f"freed the request's blocks"))
+            return
+        release(self.engine, rid)
+        self.conn.send(("sent", rid, ack))
+
+
+class DecodeWorker(Worker):
+    """Receives prefilled requests between its steps and decodes them."""
+
+    role = DECODE
+
+    def __init__(self, *args):
+        self.aborted: set[str] = set()  # aborted by the front, before their KV arrived
+        self.waiting: deque = deque()  # acknowledged KV that found no free blocks yet
+        super().__init__(*args)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        before = len(self.waiting)
+        self.waiting = deque(h for h in self.waiting if h[0]["request_id"] != request_id)
+        if len(self.waiting) == before and request_id not in self.engine.requests:
+            self.aborted.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting)
+
+    def work(self) -> None:
+        try:
+            self.receive()
+        except LinkError as e:
+            self.link = None
+            self.conn.send(("link_down", str(e)))
+        self.admit()
+        if self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                self.conn.send(("out", out))
+
+    def receive(self) -> None:
+        """Take every transfer posted so far: ack it (owned, or empty for an aborted request)."""
+        while (got := self.link.poll_kv()) is not None:
+            k, header, kv = got
+            self.fault("decode:before_ack")
+            self.drain()  # an abort that came while the KV was in flight gets an empty ack
+            rid = header["request_id"]
+            if rid in self.aborted:
+                self.aborted.discard(rid)
+                self.link.ack(k, ACK_EMPTY)
+                continue
+            self.waiting.append((header, kv))
+            self.link.ack(k, ACK_OWNED)
+            self.conn.send(("owned", rid))
+
+    def admit(self) -> None:
+        """Start the waiting transfers, oldest first, while the pool has blocks and seats for them."""
+        e = self.engine
+        while self.waiting and len(e.scheduler.running) < e.config.max_num_seqs:
+            header, kv = self.waiting[0]
+            try:
+                if not start_decode(e, header["request_id"], header["prompt_ids"], header["params"],
+                                    header["first_token"], kv):
+                    return
+            except ValueError as err:  # refused by this engine (e.g. its pool is smaller): the request fails
+                self.conn.send(("failed", header["request_id"], f"the decode worker refused the request: {err}"))
+            self.waiting.popleft()

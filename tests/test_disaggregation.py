@@ -1,0 +1,266 @@
+"""Prefill/decode disaggregation (chapter 16): token-identical outputs, the bytes sent, ownership of the blocks,
+the handshake, workers killed mid-transfer; both workers' invariants and zero leaked blocks after every test,
+and no process left behind."""
+
+import gc
+import json
+import os
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
+from minivllm.bench import ServerProcess
+from minivllm.disaggregation import DisaggregatedEngine
+from minivllm.exercises.live import chat_prompts
+from minivllm.kv_transfer import kv_bytes
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _children(pid: int) -> set[int]:
+    """Live (not zombie) children of ``pid``, from /proc."""
+    out = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z" and b"resource_tracker" not in (entry / "cmdline").read_bytes():
+            out.add(int(entry.name))
+    return out
+
+
+def _wait_gone(pids, seconds: float = 20.0) -> set[int]:
+    deadline = time.monotonic() + seconds
+    while (left := pids & _children(os.getpid())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def worker_pids(llm) -> set[int]:
+    return {p.pid for p in llm.engine.procs.values()}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """One disaggregated tiny-random engine for the module (the front restarts what a test kills)."""
+    before = _children(os.getpid())
+    llm = LLM("tiny-random", disaggregated=True, num_blocks=256, kv_transfer_timeout=3.0)
+    yield llm
+    llm.shutdown()
+    assert not _wait_gone(_children(os.getpid()) - before), "worker processes left behind"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM("tiny-random", num_blocks=256)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(request):
+    """After each test: no new process but the shared engine's two current workers."""
+    before = _children(os.getpid())
+    yield
+    gc.collect()
+    keep = worker_pids(request.getfixturevalue("tiny")) if "tiny" in request.fixturenames else set()
+    assert not _wait_gone(_children(os.getpid()) - before - keep), "processes left behind"
+
+
+def assert_clean(llm) -> dict:
+    """Both workers: block invariants hold, no held or unfinished request, every block free."""
+    stats = llm.engine.worker_stats()
+    for name, s in stats.items():
+        assert s["invariants"] == "ok", (name, s["invariants"])
+        assert s["held"] == 0 and s["unfinished"] == 0, (name, s)
+        assert s["engine"].num_used_blocks == 0, f"{name} worker leaked {s['engine'].num_used_blocks} blocks"
+    llm.engine.check_invariants()
+    return stats
+
+
+def drive(engine, rid, prompt, params, until, timeout=60.0):
+    """Add ``rid`` and step the engine until ``until(outputs so far)``; returns the outputs."""
+    engine.add_request(rid, prompt, params)
+    outs, deadline = [], time.monotonic() + timeout
+    while not until(outs):
+        assert time.monotonic() < deadline, f"{rid}: no progress within {timeout} s: {outs}"
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def finished(outs) -> bool:
+    return bool(outs) and outs[-1].finished
+
+
+def test_token_identical_to_one_engine_and_bytes_formula_equals_bytes_sent(tiny, reference):
+    prompts = chat_prompts(tiny.get_tokenizer(), 16)
+    before = tiny.engine.worker_stats()
+    outs = tiny.generate(prompts, GREEDY, use_tqdm=False)
+    want = reference.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in want]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    after = assert_clean(tiny)
+    info = tiny.engine.info[0]
+    formula = sum(kv_bytes(info["fingerprint"], len(p), info["element_size"]) for p in prompts)
+    sent = after["prefill"]["bytes_sent"] - before["prefill"]["bytes_sent"]
+    received = after["decode"]["bytes_received"] - before["decode"]["bytes_received"]
+    assert formula == sent == received
+    assert after["prefill"]["transfers"] - before["prefill"]["transfers"] == 16
+
+
+def test_stream_and_stepwise_outputs_are_one_stream(tiny, reference):
+    prompt = chat_prompts(tiny.get_tokenizer(), 3)[2]
+    want = reference.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0]
+    assert "".join(tiny.stream(prompt, GREEDY)) == want.text
+    outs = drive(tiny.engine, "one-stream", prompt, GREEDY, finished)
+    assert sum(len(o.outputs[0].delta_token_ids) for o in outs) == MAX_TOKENS
+    assert outs[0].outputs[0].token_ids == want.token_ids[:1] and not outs[0].finished  # the prefill's token
+    m = outs[-1].metrics
+    assert len(m.token_times) == MAX_TOKENS and m.token_times[0] == m.first_token_time > m.arrival_time
+    assert_clean(tiny)
+
+
+def test_a_request_that_ends_at_its_first_token_is_never_transferred(tiny, reference):
+    prompt = chat_prompts(tiny.get_tokenizer(), 1)[0]
+    before = tiny.engine.worker_stats()["prefill"]["transfers"]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    out = tiny.generate([prompt], one, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference.generate([prompt], one, use_tqdm=False)[0].outputs[0].token_ids
+    assert assert_clean(tiny)["prefill"]["transfers"] == before
+
+
+def test_no_ack_within_the_timeout_frees_the_prefill_blocks_and_fails_the_request(tiny, reference):
+    restarts = tiny.engine.restarts["decode"]
+    tiny.engine.inject_fault("decode", "decode:before_ack", 6.0)  # longer than kv_transfer_timeout (3 s)
+    outs = drive(tiny.engine, "slow-ack", [5, 6, 7, 8, 9] * 7, GREEDY, finished)
+    last = outs[-1]
+    assert last.outputs[0].finish_reason == "error" and "waiting for the ack" in last.error
+    assert "freed the request's blocks" in last.error
+    assert tiny.engine.restarts["decode"] == restarts + 1  # the silent decode worker was replaced
+    prompts = chat_prompts(tiny.get_tokenizer(), 4)  # the front keeps serving
+    assert [o.outputs[0].token_ids for o in tiny.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
+    assert_clean(tiny)
+
+
+def test_an_abort_before_the_transfer_releases_the_prefill_blocks(tiny):
+    before = tiny.engine.worker_stats()["prefill"]
+    tiny.engine.inject_fault("prefill", "prefill:before_send", 1.5)
+    drive(tiny.engine, "early-abort", [3] * 40, GREEDY, lambda outs: bool(outs))  # prefilled, blocks held
+    tiny.engine.abort_request("early-abort")
+    tiny.engine.inject_fault("prefill", "prefill:before_send", 0.0)
+    after = assert_clean(tiny)["prefill"]  # answered after the prefill worker woke, saw the abort, freed
+    assert after["transfers"] == before["transfers"] and after["bytes_sent"] == before["bytes_sent"]
+
+
+def test_an_abort_during_the_transfer_gets_an_empty_ack_and_frees_the_prefill_blocks(tiny):
+    engine = tiny.engine
+    before = engine.worker_stats()
+    engine.inject_fault("prefill", "prefill:mid_send", 1.0)  # the header is posted, the KV follows a second later
+    drive(engine, "mid-abort", [4] * 40, GREEDY, lambda outs: engine.requests["mid-abort"].sending)
+    engine.abort_request("mid-abort")  # reaches the decode worker before the KV does
+    engine.inject_fault("prefill", "prefill:mid_send", 0.0)
+    deadline = time.monotonic() + 30
+    while any((after := engine.worker_stats())[w]["empty_acks"] == before[w]["empty_acks"] for w in before):
+        assert time.monotonic() < deadline, "no empty ack"  # (the two workers answer at different moments)
+    assert after["decode"]["empty_acks"] == before["decode"]["empty_acks"] + 1
+    assert after["prefill"]["empty_acks"] == before["prefill"]["empty_acks"] + 1
+    assert after["prefill"]["transfers"] == before["prefill"]["transfers"] + 1
+    assert_clean(tiny)
+
+
+@pytest.mark.parametrize("point,worker", [("decode:before_ack", "decode"), ("prefill:mid_send", "prefill")])
+def test_a_worker_killed_mid_transfer_fails_its_request_cleanly_and_the_front_restarts_it(tiny, reference, point,
+                                                                                          worker):
+    engine = tiny.engine
+    restarts, old = engine.restarts[worker], engine.procs[0 if worker == "prefill" else 1].pid
+    engine.inject_fault(worker, point)  # SIGKILL there
+    outs = drive(engine, f"killed-{worker}", [6] * 50, GREEDY, finished)
+    last = outs[-1]
+    assert last.outputs[0].finish_reason == "error" and last.error
+    assert worker in last.error or "KV transfer" in last.error
+    assert engine.restarts[worker] == restarts + 1 and old not in worker_pids(tiny)
+    prompts = chat_prompts(tiny.get_tokenizer(), 4)  # served again after the restart
+    assert [o.outputs[0].token_ids for o in tiny.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
+    assert_clean(tiny)
+
+
+def test_a_decode_worker_killed_while_decoding_fails_its_requests_and_keeps_no_block(tiny):
+    engine = tiny.engine
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    outs = drive(engine, "long-decode", [7] * 20, params, lambda outs: len(outs) >= 3)
+    os.kill(engine.procs[1].pid, 9)
+    outs += drive(engine, "after-kill", [8] * 20, GREEDY, finished)
+    assert engine.requests == {} or "long-decode" not in engine.requests
+    assert_clean(tiny)
+
+
+def test_refusals_name_the_field():
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM("tiny-random", disaggregated=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_transfer_timeout"):
+        EngineConfig(model="tiny-random", disaggregated=True, kv_transfer_timeout=0)
+    with pytest.raises(ValueError, match="^disaggregated .*make_engine"):  # one process cannot be both workers
+        LLMEngine(model="tiny-random", disaggregated=True)
+
+
+def test_sampling_options_it_cannot_split_are_refused_before_anything_changes(tiny):
+    with pytest.raises(ValueError, match="^n "):
+        tiny.engine.add_request("two", [1, 2, 3], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="logprobs"):
+        tiny.engine.add_request("lp", [1, 2, 3], SamplingParams(logprobs=2))
+    assert tiny.engine.requests == {}
+
+
+def test_a_handshake_mismatch_is_refused_naming_the_field():
+    config = EngineConfig(model="tiny-random", disaggregated=True, num_blocks=64)
+    before = _children(os.getpid())
+    with pytest.raises(ValueError, match="block_size must be the same on the prefill and decode workers"):
+        DisaggregatedEngine(config, decode_config=replace(config, disaggregated=False, block_size=8))
+    assert not _wait_gone(_children(os.getpid()) - before)
+
+
+def test_smollm2_is_token_identical_to_one_engine():
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with LLM("smollm2-135m", disaggregated=True, num_blocks=512) as llm:
+        prompts = chat_prompts(llm.get_tokenizer(), 16)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert_clean(llm)
+    want = [o.outputs[0].token_ids for o in LLM("smollm2-135m", num_blocks=512).generate(prompts, params,
+                                                                                           use_tqdm=False)]
+    assert got == want
+
+
+def test_serve_disaggregated_answers_like_one_engine_and_stops_its_workers(reference):
+    import httpx
+
+    server = ServerProcess.minivllm("--model", "tiny-random", "--disaggregated", "--num-blocks", "256",
+                                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    with server:
+        workers = _children(server.pid)
+        assert len(workers) >= 2, "a prefill and a decode worker under the server"
+        prompt = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+        body = dict(model="tiny-random", prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        got = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+        want = reference.generate([prompt], GREEDY, use_tqdm=False)[0].outputs[0].text
+        assert got == streamed == want
+    assert server.returncode == 0 and "Traceback" not in server.log(), server.log()[-3000:]
+    deadline = time.monotonic() + 20
+    while (alive := {p for p in workers if _alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"worker processes {alive} outlived the server"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
