@@ -166,3 +166,29 @@ def test_itl_sums_to_decode_time_and_tpot_lies_between_min_and_max_gap(arrival, 
     eps = 1e-9 * (1 + token_times[-1])
     assert sum(gaps) == pytest.approx(e2e(r) - ttft(r), abs=len(gaps) * eps)
     assert min(gaps) - eps <= t <= max(gaps) + eps
+
+
+def test_the_online_client_times_token_chunks_only():
+    """A stream's chunks: a token with empty text (a skipped special token) counts; a last chunk that holds only
+    the finish reason (as transformers serve sends it) does not."""
+    import asyncio
+
+    import httpx
+
+    from minivllm.bench.online import _stream_one
+
+    chunks = [{"choices": [{"index": 0, "text": ""}]}, {"choices": [{"index": 0, "text": "Hi"}]},
+              {"choices": [{"index": 0, "text": " there", "finish_reason": None}]},
+              {"choices": [{"index": 0, "text": "!", "finish_reason": "length"}]},
+              {"choices": [{"index": 0, "text": "", "finish_reason": "length"}]},
+              {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}}]
+    body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+
+    async def main():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await _stream_one(client, "http://test", {}, 0.0)
+
+    times, text, error = asyncio.run(main())
+    assert error is None and text == "Hi there!"
+    assert len(times.token_times) == 4 and times.num_output_tokens == 4 and times.num_prompt_tokens == 5

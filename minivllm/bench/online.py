@@ -2,10 +2,13 @@
 
 Each request of a workload is sent at its Poisson time as a streaming
 ``/v1/completions`` call, greedy, with its exact output length. The client
-records when it sent the request and when each chunk of the stream arrived;
-the server's usage says how many tokens came. From those, the same
-:func:`~minivllm.bench.metrics.serving_metrics` as in-process runs: TTFT (send
-to first chunk), ITL (chunk gaps), TPOT, E2E, throughput, goodput.
+records when it sent the request and when each chunk of a token arrived
+(``transformers serve`` ends a stream with one more chunk that holds only the
+finish reason and no text: it is no token, and counting it would add a
+near-zero gap to its ITL); the server's usage says how many tokens came. From
+those, the same :func:`~minivllm.bench.metrics.serving_metrics` as in-process
+runs: TTFT (send to first token's chunk), ITL (chunk gaps), TPOT, E2E,
+throughput, goodput.
 
 Prompts are sent as text (the workload's token ids decoded), which every
 OpenAI-compatible server accepts; each server tokenizes it again, and the
@@ -91,9 +94,10 @@ async def _stream_one(client, url: str, body: dict, send_at: float) -> tuple[Req
             data = json.loads(line[6:])
             if "error" in data:
                 return None, "".join(text), str(data["error"])
-            if data.get("choices"):
+            choice = (data.get("choices") or [None])[0]
+            if choice is not None and (choice.get("text") or not choice.get("finish_reason")):  # a token's chunk
                 times.append(now())
-                text.append(data["choices"][0].get("text") or "")
+                text.append(choice.get("text") or "")
             usage = data.get("usage") or usage
     n = usage["completion_tokens"] if usage else len(times)
     return RequestTimes(sent, times, usage["prompt_tokens"] if usage else 0, n), "".join(text), None
