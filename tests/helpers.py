@@ -34,8 +34,10 @@ def hf_greedy(hf_model, prompt_ids, max_new_tokens, eos_token_id=None):
     return out[0, len(prompt_ids):].tolist()
 
 
-def run_engine(llm: LLM, requests, check=True):
-    """Drive llm.engine step by step over ``(id, ids, params)``; checks invariants after each step."""
+def run_engine(llm: LLM, requests, check=True, all_samples=False):
+    """Drive llm.engine step by step over ``(id, ids, params)``; checks invariants after each step.
+
+    Returns each request's tokens (with ``all_samples``, the list of every sample's tokens)."""
     engine = llm.engine
     for rid, ids, params in requests:
         engine.add_request(rid, ids, params)
@@ -43,7 +45,7 @@ def run_engine(llm: LLM, requests, check=True):
     while engine.has_unfinished_requests():
         for o in engine.step():
             if o.finished:
-                outs[o.request_id] = o.outputs[0].token_ids
+                outs[o.request_id] = [c.token_ids for c in o.outputs] if all_samples else o.outputs[0].token_ids
         if check:
             engine.check_invariants()
     bm = engine.block_manager

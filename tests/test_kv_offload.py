@@ -9,24 +9,12 @@ from minivllm.exercises.live import chat_prompts
 from minivllm.kv_tier import OffloadTier
 from minivllm.sequence import Sequence
 
-from helpers import greedy
+from helpers import greedy, run_engine
 
 
 def run_all(llm, requests):
-    """Step the engine over ``(id, ids, params)``, invariants after every step; every sample's tokens by id."""
-    engine = llm.engine
-    for rid, ids, params in requests:
-        engine.add_request(rid, ids, params)
-    outs = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = [c.token_ids for c in o.outputs]
-        engine.check_invariants()
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks, "device blocks leaked"
-    assert len(bm.free_cpu_blocks) == bm.num_cpu_blocks, "swap blocks leaked"
-    return outs, engine.stats()
+    """Every sample's tokens by id (invariants after every step, no block leaked) and the engine's stats."""
+    return run_engine(llm, requests, all_samples=True), llm.engine.stats()
 
 
 def two_rounds(prompts, params, again=None):
