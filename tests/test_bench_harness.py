@@ -193,3 +193,25 @@ def test_bench_exports_its_own_names_only_and_still_the_chapter_10_simulator():
     assert not {"torch", "dataclass", "field", "time", "annotations", "harness", "experiments"} & set(names)
     assert names["simulate_schedule"] is minivllm.simulator.simulate_schedule
     assert names["sim_sequence"] is minivllm.simulator.sim_sequence
+
+
+def test_the_sweep_draws_fresh_prompts_of_the_same_lengths_for_every_rate_and_repeat(tiny):
+    """No server may answer a later rate from a prefix cache filled by an earlier one (transformers serve shares
+    prefixes): every (repeat, rate) gets its own prompt tokens, the same lengths, arrivals and output lengths."""
+    from argparse import Namespace
+
+    from minivllm.bench.serving_sweep import _plan, fresh_prompts
+    from minivllm.bench.workloads import ordinary_token_ids
+
+    _, tok = tiny
+    w = make_workload("online", tok, **SMALL["online"])
+    again = fresh_prompts(w, tok, seed=5)
+    assert again == fresh_prompts(w, tok, seed=5) and again != fresh_prompts(w, tok, seed=6)
+    low, high = ordinary_token_ids(tok)
+    for a, b in zip(w.arrivals, again.arrivals):
+        assert len(a.prompt) == len(b.prompt) and a.prompt != b.prompt and all(low <= t < high for t in b.prompt)
+        assert (a.at_time, a.params.max_tokens, a.request_id) == (b.at_time, b.params.max_tokens, b.request_id)
+    workloads = {rate: make_workload("online", tok, **{**SMALL["online"], "rate": rate}) for rate in (1.0, 4.0)}
+    plan = _plan(Namespace(seed=0, repeats=2), workloads, tok)
+    prompts = [tuple(map(tuple, w.prompts)) for w in plan.values()]
+    assert len(plan) == 4 and len(set(prompts)) == 4

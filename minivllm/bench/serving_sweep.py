@@ -1,9 +1,13 @@
 """Latency against request rate through servers: ``python -m minivllm.bench serving`` (chapter 13).
 
-One seeded online workload (the same prompts and output lengths at every
-rate, Poisson arrivals) is sent at each request rate to minivllm's server and
-to ``transformers serve`` with continuous batching, the same model files and
-the same client; the offline engine runs the same requests all at once. Both
+One seeded online workload (the same prompt lengths, output lengths and
+Poisson arrival pattern at every rate) is sent at each request rate to
+minivllm's server and to ``transformers serve`` with continuous batching, the
+same model files and the same client; the offline engine runs the top rate's
+requests all at once. The prompt tokens are drawn afresh for every rate and
+repeat (:func:`fresh_prompts`), the same for every system within one: a
+server that caches prefixes (``transformers serve`` does) would otherwise
+answer later rates from what earlier ones left in its cache. Both
 servers stay up (an idle one costs no CPU) and take turns, rate by rate, so
 figures that are compared were measured minutes apart; each setting is
 repeated and reported as medians, with the machine's load average at the
@@ -15,20 +19,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from minivllm.bench.cli import add_min_max, bench_parser, offline_env, positive_finite_float, positive_int, writable_file
 from minivllm.bench.harness import run_engine
 from minivllm.bench.online import run_online, text_prompts
 from minivllm.bench.server_process import ServerProcess, free_port
-from minivllm.bench.workloads import Arrival, Workload, _exactly, make_workload
+from minivllm.bench.workloads import Arrival, Workload, _exactly, make_workload, ordinary_token_ids
 from minivllm.models import load_tokenizer, model_folder
 
-__all__ = ["hf_serve_folder", "transformers_server", "warm", "offline_engine", "summarize_runs", "ratios",
+__all__ = ["fresh_prompts", "hf_serve_folder", "transformers_server", "warm", "offline_engine", "summarize_runs", "ratios",
            "serving_sweep_main"]
 
 FIGURES = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_mean", "itl_p99", "e2e_p99", "goodput")
@@ -160,13 +166,31 @@ def _parser():
     return p
 
 
-def _repeats(args, servers: dict, workloads: dict, tok) -> dict:
+def fresh_prompts(workload: Workload, tokenizer, seed: int) -> Workload:
+    """``workload`` with new random prompt tokens of the same lengths, drawn with ``seed`` (arrivals and
+    output lengths unchanged)."""
+    lengths = [len(a.prompt) for a in workload.arrivals]
+    rng, (low, high) = random.Random(seed), ordinary_token_ids(tokenizer)
+    arrivals = [replace(a, prompt=[rng.randrange(low, high) for _ in range(n)])
+                for a, n in zip(workload.arrivals, lengths)]
+    return replace(workload, arrivals=arrivals)
+
+
+def _plan(args, workloads: dict, tok) -> dict:
+    """The workload of every (repeat, rate): fresh prompt tokens for each, shared by every system in it."""
+    return {(repeat, rate): fresh_prompts(w, tok, seed=args.seed + 1 + repeat * len(workloads) + i)
+            for repeat in range(args.repeats) for i, (rate, w) in enumerate(workloads.items())}
+
+
+def _repeats(args, servers: dict, plan: dict, tok) -> dict:
     """Every server stays up (idle, each costs no CPU); each repeat runs every rate on each server back to back,
     in alternating order, then the offline engine: figures compared with each other were taken minutes apart at
     most, under about the same load of this shared machine."""
-    runs: dict = {name: {rate: [] for rate in workloads} for name in servers}
+    rates = sorted({rate for _, rate in plan})
+    runs: dict = {name: {rate: [] for rate in rates} for name in servers}
     for repeat in range(args.repeats):
-        for rate, w in workloads.items():
+        for rate in rates:
+            w = plan[repeat, rate]
             for name in (list(servers) if repeat % 2 == 0 else list(servers)[::-1]):
                 run = run_online(servers[name].url, w, tok, backend=backend_of(name), label=f"{name} {rate:g}/s")
                 runs[name][rate].append((run, os.getloadavg()[0]))
@@ -175,12 +199,13 @@ def _repeats(args, servers: dict, workloads: dict, tok) -> dict:
     return runs
 
 
-def _offline_repeats(args, workloads: dict, tok) -> list:
+def _offline_repeats(args, plan: dict, tok) -> list:
     """The offline engine on the top rate's requests, once per repeat, after the servers are stopped (a server
     process left up still holds its threads, and transformers serve's batching loop keeps polling)."""
     runs = []
+    top = max(rate for _, rate in plan)
     for repeat in range(args.repeats):
-        result = offline_engine(workloads[max(workloads)], tok, args.model, block_size=args.block_size,
+        result = offline_engine(plan[repeat, top], tok, args.model, block_size=args.block_size,
                                 max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
                                 **({"device": args.device} if args.device else {}))
@@ -197,6 +222,7 @@ def serving_sweep_main(argv=None) -> int:
     workloads = {rate: make_workload("online", tok, seed=args.seed, num_requests=args.num_requests, rate=rate,
                                      prompt_len=args.prompt_len, output_len=args.output_len) for rate in args.rates}
     first = next(iter(workloads.values()))
+    plan = _plan(args, workloads, tok)
     engine = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs), "--num-blocks",
               str(args.num_blocks), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     engine += ["--device", args.device] if args.device else []
@@ -211,8 +237,8 @@ def serving_sweep_main(argv=None) -> int:
         for name, server in servers.items():
             stack.enter_context(server)
             warm(server, tok, backend_of(name))
-        runs = _repeats(args, servers, workloads, tok)
-    offline_runs = _offline_repeats(args, workloads, tok)
+        runs = _repeats(args, servers, plan, tok)
+    offline_runs = _offline_repeats(args, plan, tok)
     results = {name: {rate: summarize_runs(r, slo) for rate, r in by_rate.items()} for name, by_rate in runs.items()}
     offline = {"output_throughput": statistics.median(t for t, _ in offline_runs),
                "load": [load for _, load in offline_runs]}

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from minivllm.config import cdiv, is_int, is_number
 from minivllm.sampling_params import SamplingParams
 
-__all__ = ["random_workload", "Arrival", "interference_arrivals", "shared_prefix_arrivals", "squeezed_arrivals",
+__all__ = ["random_workload", "ordinary_token_ids", "Arrival", "interference_arrivals", "shared_prefix_arrivals", "squeezed_arrivals",
            "Workload", "poisson_times", "WORKLOADS", "make_workload", "check_workload_sizes"]
 
 
@@ -59,6 +59,12 @@ def _check(**sizes) -> None:
         _SIZE_RULES[field](field, value)
 
 
+def ordinary_token_ids(tokenizer) -> tuple[int, int]:
+    """``[low, high)``: the token ids above every special and added token (EOS, chat markers), for random prompts."""
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return max(special, default=-1) + 1, len(tokenizer)
+
+
 def random_workload(tokenizer, num_requests: int = 32, prompt_len: tuple[int, int] = (16, 256),
                     output_len: tuple[int, int] = (16, 64), seed: int = 0) -> tuple[list[list[int]], list[int]]:
     """``num_requests`` prompts of random ordinary token ids and their output lengths, drawn with ``seed``.
@@ -70,9 +76,7 @@ def random_workload(tokenizer, num_requests: int = 32, prompt_len: tuple[int, in
     _check(prompt_len=prompt_len, output_len=output_len, seed=seed)
     _count(0)("num_requests", num_requests)
     rng = random.Random(seed)
-    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-    low = max(special, default=-1) + 1
-    vocab = len(tokenizer)
+    low, vocab = ordinary_token_ids(tokenizer)
     prompts = [[rng.randrange(low, vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(num_requests)]
     outputs = [rng.randint(*output_len) for _ in range(num_requests)]
     return prompts, outputs
