@@ -173,9 +173,20 @@ def test_a_busy_loop_refreshes_the_gauges_and_an_idle_one_makes_them_exact():
 
     metrics = ServerMetrics("tiny-random")
     llm = AsyncLLM(LLMEngine(model="tiny-random", **OPTIONS), metrics=metrics)
+
+    def gauges():
+        return metrics.running._value.get(), metrics.used_blocks._value.get()
+
+    async def main():  # a request that cannot finish: the loop stays busy until it is aborted
+        stream = llm.add_request(PROMPTS[0], LONG)
+        outputs = aiter(stream)  # kept: a dropped iterator closes, and closing a stream aborts its request
+        await anext(outputs)
+        busy = await asyncio.to_thread(wait_until, lambda: gauges()[0] == 1 and gauges()[1] > 0)
+        stream.abort()
+        return busy
+
     try:
-        asyncio.run(collect(llm, PROMPTS[0], greedy(40, ignore_eos=True)))
-        assert wait_until(lambda: metrics.running._value.get() == 0 and metrics.used_blocks._value.get() == 0)
-        assert metrics.generation_tokens._value.get() == 40
+        assert asyncio.run(main()), f"the gauges were not refreshed while the loop was busy: {gauges()}"
+        assert wait_until(lambda: gauges() == (0, 0)), f"the idle loop left the gauges at {gauges()}"
     finally:
         llm.close()

@@ -34,8 +34,8 @@ from minivllm.bench.server_process import ServerProcess, free_port
 from minivllm.bench.workloads import Arrival, Workload, _exactly, make_workload, ordinary_token_ids
 from minivllm.models import load_tokenizer, model_folder
 
-__all__ = ["fresh_prompts", "hf_serve_folder", "transformers_server", "warm", "offline_engine", "summarize_runs", "ratios",
-           "serving_sweep_main"]
+__all__ = ["fresh_prompts", "hf_serve_folder", "transformers_server", "warm", "offline_engine", "summarize_runs",
+           "ratios", "serving_sweep_main"]
 
 FIGURES = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_mean", "itl_p99", "e2e_p99", "goodput")
 
@@ -184,8 +184,8 @@ def _plan(args, workloads: dict, tok) -> dict:
 
 def _repeats(args, servers: dict, plan: dict, tok) -> dict:
     """Every server stays up (idle, each costs no CPU); each repeat runs every rate on each server back to back,
-    in alternating order, then the offline engine: figures compared with each other were taken minutes apart at
-    most, under about the same load of this shared machine."""
+    in alternating order: figures compared with each other were taken minutes apart at most, under about the
+    same load of this shared machine."""
     rates = sorted({rate for _, rate in plan})
     runs: dict = {name: {rate: [] for rate in rates} for name in servers}
     for repeat in range(args.repeats):
