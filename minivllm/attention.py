@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -193,7 +193,9 @@ class AttentionGroup:
     (``folded_mask`` is the same, repeated for the query heads that share a KV
     head); ``query_index`` picks the rows' queries out of the step's flat
     tokens, ``valid`` marks real (not padding) query rows and ``out_index``
-    says where their outputs go back.
+    says where their outputs go back. ``every_token`` says the group is the
+    whole step, one query per row in token order (a decode-only step): its
+    queries and outputs are the step's own, with no gather or scatter.
     """
 
     block_tables: torch.Tensor  # [B, W] long
@@ -203,6 +205,19 @@ class AttentionGroup:
     valid: torch.Tensor  # [B, Lq] bool
     out_index: torch.Tensor  # [valid rows] long
     all_valid: bool  # no padding rows (every decode group): the output needs no boolean gather
+    every_token: bool = False  # row b is token b, one query each: q and the output need no indexing
+    additive: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # dtype -> 0/-inf mask
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
+        """``folded_mask`` as an additive float mask (0 where allowed, -inf elsewhere).
+
+        SDPA converts a boolean mask to this form on every call; converting once
+        per step saves it in every layer.
+        """
+        if dtype not in self.additive:
+            mask = torch.zeros(self.folded_mask.shape, dtype=dtype, device=self.folded_mask.device)
+            self.additive[dtype] = mask.masked_fill_(~self.folded_mask, float("-inf"))
+        return self.additive[dtype]
 
 
 class PagedBatch:
@@ -238,8 +253,16 @@ class PagedBatch:
         for wanted in (lambda n: n == 1, lambda n: n > 1):
             rows = sorted((b for b, n in enumerate(query_lens) if wanted(n)), key=lambda b: len(block_tables[b]))
             for part in split_by_padding(rows, [len(block_tables[b]) * block_size for b in rows],
-                                         [query_lens[b] for b in rows]):
-                self.groups.append(self._group(part, block_tables, context_lens, query_lens, starts, device))
+                                         [query_lens[b] for b in rows]):  # a group's row order is free: keep the step's
+                self.groups.append(self._group(sorted(part), block_tables, context_lens, query_lens, starts, device))
+
+    def write_slots(self, scratch_slot: int) -> torch.Tensor:
+        """``slot_mapping`` with every -1 (a padding row) sent to ``scratch_slot``; built once per step."""
+        cached = getattr(self, "_write_slots", None)
+        if cached is None or cached[0] != scratch_slot:
+            slots_ = torch.where(self.slot_mapping < 0, scratch_slot, self.slot_mapping)
+            cached = self._write_slots = (scratch_slot, slots_)
+        return cached[1]
 
     def _varlen_metadata(self, block_tables, context_lens, query_lens, device) -> None:
         """What :data:`VARLEN` reads: cumulative query starts, context lengths and the int32 block tables."""
@@ -269,7 +292,7 @@ class PagedBatch:
         rows = torch.arange(B, device=device)
         mask = (torch.arange(W * block_size, device=device)[None, :] < context_lens[:, None]).unsqueeze(1)
         self.groups = [AttentionGroup(block_tables, mask, fold_mask(mask, num_queries_per_kv), rows[:, None],
-                                      torch.ones(B, 1, dtype=torch.bool, device=device), rows, True)]
+                                      torch.ones(B, 1, dtype=torch.bool, device=device), rows, True, True)]
         self.cu_seq_q = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.context_lens = context_lens.to(torch.int32)
         self.cu_seq_k = torch.cat([torch.zeros(1, dtype=torch.int32, device=device),
@@ -295,8 +318,9 @@ class PagedBatch:
         mask &= valid[:, :, None]
         mask[:, :, 0] |= ~valid  # padded rows see one key, so softmax stays finite
         query_index = torch.where(valid, start[:, None] + i, 0)
+        every_token = max_q == 1 and [starts[b] for b in rows] == list(range(self.num_tokens))
         return AttentionGroup(tables, mask, fold_mask(mask, self.num_queries_per_kv), query_index, valid,
-                              query_index[valid], bool(qlen.min() == max_q))
+                              query_index[valid], bool(qlen.min() == max_q), every_token)
 
 
 def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = 4,
@@ -424,19 +448,21 @@ class PagedKVCache:
     def forward(self, layer: int, q, k, v, positions, batch: PagedBatch):
         kv_heads, d = k.shape[1:]
         k_pool, v_pool = self.k[layer], self.v[layer]
-        write = torch.where(batch.slot_mapping < 0, self.scratch_slot, batch.slot_mapping)  # -1: the scratch slot
+        write = batch.write_slots(self.scratch_slot)  # -1: the scratch slot
         self.k_slots[layer].index_copy_(0, write, k)
         self.v_slots[layer].index_copy_(0, write, v)
         if self.attention_kernel == VARLEN:
             return varlen_paged(q, k_pool, v_pool, batch)
-        out = torch.empty_like(q)
+        out = None if batch.groups[0].every_token else torch.empty_like(q)
         for g in batch.groups:  # gather whole blocks, then see them as one run of keys
             B, W = g.block_tables.shape
             flat = g.block_tables.flatten()
             keys = k_pool.index_select(0, flat).view(B, W * self.block_size, kv_heads, d).transpose(1, 2)
             values = v_pool.index_select(0, flat).view(B, W * self.block_size, kv_heads, d).transpose(1, 2)
-            queries = q[g.query_index].transpose(1, 2)  # [B, heads, Lq, D]
-            o = attend(queries, keys, values, g.folded_mask).transpose(1, 2)  # [B, Lq, heads, D]
+            queries = q.unsqueeze(2) if g.every_token else q[g.query_index].transpose(1, 2)  # [B, heads, Lq, D]
+            o = attend(queries, keys, values, g.additive_mask(q.dtype)).transpose(1, 2)  # [B, Lq, heads, D]
+            if g.every_token:  # a decode-only step: row b is token b
+                return o.flatten(0, 1)
             out[g.out_index] = o.flatten(0, 1) if g.all_valid else o[g.valid]  # decodes: no padding rows
         return out
 

@@ -48,17 +48,15 @@ def test_split_by_padding_keeps_small_batches_whole_and_cuts_spread_ones():
     assert split_by_padding([], [], []) == []
 
 
-def test_paged_attention_with_many_groups_equals_per_sequence_attention():
-    """Decodes with spread contexts and prefill chunks over cached prefixes: within 1e-5 of attending one by one."""
+def _paged_step(ctx: list[int], qlen: list[int], seed: int = 0):
+    """One paged-attention step over random KV: (output, per-sequence reference output, the batch)."""
     import random
 
     from minivllm.attention import PagedBatch, PagedKVCache, attend, causal_chunk_mask
 
-    rng = random.Random(0)
-    torch.manual_seed(0)
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
     heads, kv_heads, d, bs = 6, 2, 16, 4
-    ctx = [rng.randint(2, 90) for _ in range(24)] + [40, 70, 33]
-    qlen = [1] * 24 + [12, 70, 5]
     free = list(range(1, 400))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctx]
@@ -68,12 +66,42 @@ def test_paged_attention_with_many_groups_equals_per_sequence_attention():
     for t, k, v, c, n in zip(tables, full_k, full_v, ctx, qlen):  # the cached part, before this step
         for p in range(c - n):
             cache.k[0, t[p // bs], p % bs], cache.v[0, t[p // bs], p % bs] = k[p], v[p]
-    batch = PagedBatch(tables, ctx, qlen, bs, "cpu")
-    assert len(batch.groups) > 2
+    batch = PagedBatch(tables, ctx, qlen, bs, "cpu", num_queries_per_kv=heads // kv_heads)
     q = [torch.randn(n, heads, d) for n in qlen]
     out = cache.forward(0, torch.cat(q), torch.cat([k[c - n:] for k, c, n in zip(full_k, ctx, qlen)]),
                         torch.cat([v[c - n:] for v, c, n in zip(full_v, ctx, qlen)]), None, batch)
     expected = [attend(qi.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                        causal_chunk_mask(c - n, c)).transpose(0, 1)
                 for qi, k, v, c, n in zip(q, full_k, full_v, ctx, qlen)]
-    assert (out - torch.cat(expected)).abs().max().item() < 1e-5
+    return out, torch.cat(expected), batch
+
+
+def test_paged_attention_with_many_groups_equals_per_sequence_attention():
+    """Decodes with spread contexts and prefill chunks over cached prefixes: within 1e-5 of attending one by one."""
+    import random
+
+    rng = random.Random(0)
+    ctx = [rng.randint(2, 90) for _ in range(24)] + [40, 70, 33]
+    qlen = [1] * 24 + [12, 70, 5]
+    out, expected, batch = _paged_step(ctx, qlen)
+    assert len(batch.groups) > 2 and not any(g.every_token for g in batch.groups)
+    assert (out - expected).abs().max().item() < 1e-5
+
+
+def test_a_decode_only_step_is_one_group_in_token_order():
+    """Rows keep the step's token order (not sorted by length), so queries and outputs need no gather or scatter."""
+    ctx = [30, 5, 41, 17, 9, 36, 22, 12]  # block tables of different lengths, not in order
+    out, expected, batch = _paged_step(ctx, [1] * len(ctx), seed=1)
+    (g,) = batch.groups
+    assert g.every_token and g.query_index.flatten().tolist() == list(range(len(ctx)))
+    assert (out - expected).abs().max().item() < 1e-5
+    mask = g.additive_mask(torch.float32)  # SDPA's form of the mask, built once and shared by every layer
+    assert g.additive_mask(torch.float32) is mask and ((mask == 0) == g.folded_mask).all()
+
+
+def test_write_slots_send_padding_rows_to_the_scratch_slot_once_per_step():
+    from minivllm.attention import PagedBatch
+
+    batch = PagedBatch.for_decode(torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 1]), torch.tensor([6, -1]), 4)
+    slots = batch.write_slots(99)
+    assert slots.tolist() == [6, 99] and batch.write_slots(99) is slots

@@ -39,10 +39,27 @@ def test_packed_and_plain_models_share_the_checkpoint():
     for (name, a), (_, b) in zip(packed.named_parameters(), plain.named_parameters()):
         assert a.data_ptr() == b.data_ptr(), name
     assert packed.lm_head.weight is packed.model.embed_tokens.weight  # tied embeddings
-    q = packed.model.layers[0].self_attn.q_proj
-    x = torch.randn(5, q.in_features)
-    assert torch.allclose(q(x), torch.nn.functional.linear(x, q.weight), atol=1e-4)
     assert load_model("smollm2-135m", "cpu", pack_weights=True)[0] is packed  # cached per option
+
+
+def test_packing_fuses_the_projections_that_share_an_input():
+    """q/k/v and gate/up run as one packed matmul each, side by side each linear's own output; unpacked, apart."""
+    packed, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
+    plain, _ = load_model("smollm2-135m", "cpu", pack_weights=False)
+    if packed.lm_head.packed is None:
+        pytest.skip("oneDNN weight packing is not available here")
+    linear = torch.nn.functional.linear
+    for model, fused in ((packed, True), (plain, False)):
+        attn, mlp = model.model.layers[3].self_attn, model.model.layers[3].mlp
+        assert (attn.fused_qkv is not None, mlp.fused_gate_up is not None) == (fused, fused)
+        assert attn.q_proj.packed is None and (attn.o_proj.packed is not None) == fused
+        x = torch.randn(5, attn.q_proj.in_features)
+        qkv = attn.project_qkv(x)
+        assert qkv.shape == (5, 576 + 192 + 192)
+        q, k, v = qkv.split([576, 192, 192], dim=-1)
+        gate, up = mlp.project_gate_up(x)
+        for out, m in ((q, attn.q_proj), (k, attn.k_proj), (v, attn.v_proj), (gate, mlp.gate_proj), (up, mlp.up_proj)):
+            assert torch.allclose(out, linear(x, m.weight), atol=1e-4)
 
 
 def test_smollm2_architecture(smollm2):

@@ -32,7 +32,7 @@ from minivllm.timing import Timer, now
 
 __all__ = ["BenchResult", "run_engine", "run_naive", "run_contiguous", "run_static", "run_hf_generate",
            "run_hf_generate_batch", "LADDER", "run_ladder", "ReservingBlockManager", "MachineLimits", "measure_machine", "roofline",
-           "step_breakdown", "format_results", "same_outputs"]
+           "step_breakdown", "OP_KINDS", "decode_op_breakdown", "format_results", "same_outputs"]
 
 
 @dataclass
@@ -285,22 +285,28 @@ def _linears(model):
 @torch.inference_mode()
 def measure_machine(model, token_counts=(1, 16, 64, 256, 1024), repeats: int = 3,
                     buffer_bytes: int = 512 * 2**20) -> MachineLimits:
-    """Time every linear layer of one decoder layer at each token count, and a large buffer's read.
+    """Time one decoder layer's matmuls at each token count, and a large buffer's read.
 
-    Uses the model's own Linear modules, so the figures are for the kernels the
-    engine runs (timed with :class:`~minivllm.bench.timing.Timer`: CUDA events on a GPU).
+    Runs the layer's own projections as the forward runs them (fused where
+    :meth:`~minivllm.models.llama.LlamaForCausalLM.pack_weights` fused them),
+    so the figures are for the kernels the engine runs (timed with
+    :class:`~minivllm.bench.timing.Timer`: CUDA events on a GPU).
     """
     device = model.lm_head.weight.device
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     layer = [m for m in _linears(model) if m in set(model.model.layers[0].modules())]
     flop_per_token = 2 * sum(m.weight.numel() for m in layer)
+    matmuls = [(attn.q_proj.in_features, attn.project_qkv), (attn.o_proj.in_features, attn.o_proj),
+               (mlp.gate_proj.in_features, mlp.project_gate_up), (mlp.down_proj.in_features, mlp.down_proj)]
+    dtype = model.lm_head.weight.dtype
     by_tokens = {}
     for t in token_counts:
-        xs = {m.in_features: torch.randn(t, m.in_features, device=device, dtype=m.weight.dtype) for m in layer}
+        xs = {n: torch.randn(t, n, device=device, dtype=dtype) for n, _ in matmuls}
         best = float("inf")
         for _ in range(repeats + 1):
             with Timer(device) as timer:
-                for m in layer:
-                    m(xs[m.in_features])
+                for n, matmul in matmuls:
+                    matmul(xs[n])
             best = min(best, timer.seconds)
         by_tokens[t] = flop_per_token * t / best
     buf = torch.empty(buffer_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
@@ -347,6 +353,50 @@ def roofline(model, workload: Workload, limits: MachineLimits) -> dict:
 
 
 # -- Where the time goes: the phases of one engine step (chapter 11) --------------------------------------
+
+OP_KINDS = {  # profiler op name -> what it is, for decode_op_breakdown (first match wins)
+    "linear": "matmuls", "addmm": "matmuls", "aten::mm": "matmuls", "aten::bmm": "matmuls",
+    "index_select": "KV gather", "scaled_dot_product": "attention", "varlen_attn": "attention",
+    "index_copy": "KV write", "aten::max": "sampling", "argmax": "sampling",
+}
+
+
+def decode_op_breakdown(llm, batch: int, prompt_len: int = 64, steps: int = 5, seed: int = 0) -> dict[str, float]:
+    """Seconds per decode step with ``batch`` running requests, by kind of op (chapter 12).
+
+    Runs ``steps`` all-decode steps under the PyTorch profiler and sums each
+    op's own time (device time on a GPU) into the kinds of :data:`OP_KINDS`;
+    everything else is ``"other ops"`` (norms, RoPE, activations, residuals,
+    indexing). ``"total"`` is their sum: op time, without the Python between ops.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    prompts, _ = random_workload(llm.get_tokenizer(), batch, (prompt_len, prompt_len), (1, 1), seed)
+    ids = [f"ops-{batch}-{i}" for i in range(batch)]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, _exactly(steps + 3))
+    while any(s.status.name != "RUNNING" or not s.output_token_ids for s in engine.scheduler.sequences
+              if s.request_id in ids):
+        engine.step()
+    engine.step()  # first all-decode step: unprofiled
+    cuda = torch.device(engine.runner.device).type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    for rid in ids:
+        engine.abort_request(rid)
+    out = dict.fromkeys([*dict.fromkeys(OP_KINDS.values()), "other ops"], 0.0)
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", 0) if cuda else event.self_cpu_time_total
+        kind = next((k for pattern, k in OP_KINDS.items() if pattern in event.key), "other ops")
+        out[kind] += us / 1e6 / steps
+    out["total"] = sum(out.values())
+    return out
+
 
 def step_breakdown(llm, batch_sizes=(1, 2, 4, 8, 16, 32, 64), prompt_len: int = 64, steps: int = 5,
                    seed: int = 0) -> dict[int, dict[str, float]]:

@@ -19,21 +19,46 @@ from minivllm.attention import NoCache
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that can multiply through a prepacked oneDNN weight on the CPU (chapter 11).
+    """``nn.Linear`` that can multiply through a prepacked oneDNN weight on the CPU (chapter 12).
 
     Decode steps multiply a few rows by every weight of the model, so they are
     bound by how fast weights stream from memory; oneDNN's blocked weight
-    layout streams them about twice as fast as the plain row-major matmul at
-    decode batch sizes. :meth:`LlamaForCausalLM.pack_weights` fills ``packed``;
-    ``weight`` stays the checkpoint's tensor.
+    layout streams them faster than the plain row-major matmul at decode batch
+    sizes. :meth:`LlamaForCausalLM.pack_weights` fills ``packed``; ``weight``
+    stays the checkpoint's tensor.
     """
 
     packed: torch.Tensor | None = None
+
+    def matmul(self, x):
+        """``x @ weight.T``, through the packed weight where there is one; no bias."""
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
 
     def forward(self, x):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class FusedMatmul:
+    """Linears that read the same input as one packed matmul, their weights stacked (chapter 12).
+
+    ``q_proj``, ``k_proj`` and ``v_proj`` (and ``gate_proj`` with ``up_proj``)
+    multiply the same activations; one wider matmul streams the same weights
+    in one kernel call instead of three. Calling it returns the linears'
+    outputs side by side, ``[T, sum of out_features]``; the stacked weight
+    exists only in oneDNN's packed copy.
+    """
+
+    def __init__(self, *linears: Linear):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in linears]), 32)
+        biases = [m.bias for m in linears]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+
+    def __call__(self, x) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 class RMSNorm(nn.Module):
@@ -81,17 +106,23 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.fused_qkv: FusedMatmul | None = None  # set by pack_weights
+
+    def project_qkv(self, x):
+        """Queries, keys and values side by side, ``[T, (heads + 2 kv_heads) * dim]``: one fused matmul where packed."""
+        if self.fused_qkv is not None:
+            return self.fused_qkv(x)
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
     def forward(self, x, cos, sin, positions, kv, batch):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.project_qkv(x).view(t, h + 2 * kvh, self.head_dim)
+        qk, v = qkv[:, :h + kvh], qkv[:, h + kvh:]  # every query and key head, then the value heads
+        if self.q_norm is not None:  # Qwen3 normalises each query and key head before RoPE
+            qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qk = qk * cos + rotate_half(qk) * sin  # RoPE on queries and keys at once
+        q, k = qk[:, :h], qk[:, h:]
         out = kv.forward(self.layer_idx, q, k, v, positions, batch)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -102,10 +133,18 @@ class MLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused_gate_up: FusedMatmul | None = None  # set by pack_weights
+
+    def project_gate_up(self, x):
+        """The gate and up projections ``[T, intermediate]``: one fused matmul where packed, else two."""
+        if self.fused_gate_up is not None:
+            return self.fused_gate_up(x).chunk(2, dim=-1)
+        return self.gate_proj(x), self.up_proj(x)
 
     def forward(self, x):
-        gate = F.silu(self.gate_proj(x), inplace=True)  # in place: a [tokens, intermediate] buffer less per layer
-        return self.down_proj(gate.mul_(self.up_proj(x)))
+        gate, up = self.project_gate_up(x)
+        gate = F.silu(gate, inplace=True)  # in place: a [tokens, intermediate] buffer less per layer
+        return self.down_proj(gate.mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -145,28 +184,41 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def pack_weights(self, enabled: bool = True) -> bool:
-        """Prepack every linear weight for oneDNN (CPU, float32 only); returns whether packing is on.
+        """Prepack the linear weights for oneDNN (CPU, float32 only); returns whether packing is on.
 
-        Falls back to plain ``F.linear`` wherever oneDNN is missing or disagrees
-        with it on a test input, so packing never changes what the model computes
-        beyond float32 rounding.
+        Each decoder layer's q/k/v and gate/up projections become one
+        :class:`FusedMatmul` each; ``o_proj``, ``down_proj`` and the LM head
+        get a packed copy. Falls back to plain ``F.linear`` wherever oneDNN is
+        missing or disagrees with it on a test input, so packing never changes
+        what the model computes beyond float32 rounding.
         """
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for m in linears:
-            m.packed = None
+
+        def clear():
+            for m in linears:
+                m.packed = None
+            for layer in self.model.layers:
+                layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
+
+        clear()
         w = self.lm_head.weight
         if not enabled or w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
             return False
         try:
-            for m in linears:
-                m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 32)
-            layer = self.model.layers[0].self_attn.q_proj
-            probe = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
-            if not torch.allclose(layer(probe), F.linear(probe, layer.weight, layer.bias), rtol=1e-4, atol=1e-4):
+            for layer in self.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                attn.fused_qkv = FusedMatmul(attn.q_proj, attn.k_proj, attn.v_proj)
+                mlp.fused_gate_up = FusedMatmul(mlp.gate_proj, mlp.up_proj)
+                for m in (attn.o_proj, mlp.down_proj, self.lm_head):
+                    m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 32)
+            attn = self.model.layers[0].self_attn
+            probe = torch.randn(3, attn.q_proj.in_features, generator=torch.Generator().manual_seed(0))
+            plain_qkv = torch.cat([F.linear(probe, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
+            pairs = [(attn.project_qkv(probe), plain_qkv), (self.lm_head(probe), F.linear(probe, w))]
+            if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in pairs):
                 raise RuntimeError("packed and plain matmul disagree")
         except Exception:  # any build without a working oneDNN path: plain F.linear is always right
-            for m in linears:
-                m.packed = None
+            clear()
             return False
         return True
 

@@ -111,10 +111,7 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     def forward(self, x):
-        if self.packed is not None:
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        else:
-            y = F.linear(x, self.weight)
+        y = self.matmul(x)
         self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
