@@ -78,6 +78,15 @@ def test_engine_config_validation(kwargs, match):
         EngineConfig(**kwargs)
 
 
+def test_max_num_seqs_defaults_to_64_capped_by_the_token_budget():
+    """Unset, it is 64 (measured, chapter 12), or the token budget if that is smaller; a given value is kept."""
+    assert EngineConfig().max_num_seqs == 64
+    assert EngineConfig(max_num_batched_tokens=16).max_num_seqs == 16
+    assert EngineConfig(max_num_seqs=8, max_num_batched_tokens=16).max_num_seqs == 8
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens must be an integer >= max_num_seqs \(32\)"):
+        EngineConfig(max_num_seqs=32, max_num_batched_tokens=16)
+
+
 def test_unknown_llm_option_is_refused():
     with pytest.raises(ValueError, match="unknown engine options"):
         LLM("tiny-random", blok_size=16)

@@ -31,7 +31,7 @@ FIELD_HELP = {
     "block_size": "tokens per KV block",
     "num_blocks": "KV blocks in the pool (default: sized from --kv-cache-memory-fraction)",
     "kv_cache_memory_fraction": "share of free device memory for the KV pool (on a CPU, of at most 4 GiB)",
-    "max_num_seqs": "most sequences running at once",
+    "max_num_seqs": "most sequences running at once (default: 64, or --max-num-batched-tokens if smaller)",
     "max_num_batched_tokens": "token budget of one step",
     "max_model_len": "longest prompt + output (default: the model's)",
     "enable_chunked_prefill": "split long prompts into chunks mixed with decodes",
