@@ -89,7 +89,8 @@ def _baselines(args, workload, device, compare: list[str], model) -> list:
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
-            hf = AutoModelForCausalLM.from_pretrained(model_folder(args.model), dtype=torch.float32).to(device).eval()
+            hf = AutoModelForCausalLM.from_pretrained(model_folder(args.model), dtype=getattr(torch, args.dtype))
+            hf = hf.to(device).eval()
         results.append({"hf-batch": lambda: run_hf_generate_batch(hf, workload),
                         "hf-static": lambda: run_hf_generate(hf, workload, args.hf_batch_size),
                         "hf-single": lambda: run_hf_generate(hf, workload, 1),
@@ -101,7 +102,7 @@ def _baselines(args, workload, device, compare: list[str], model) -> list:
 
 def _engine_options(args, device) -> dict:
     opts = dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                enable_prefix_caching=args.prefix_caching, device=str(device))
+                enable_prefix_caching=args.prefix_caching, device=str(device), dtype=args.dtype)
     if args.max_num_seqs:
         opts["max_num_seqs"] = args.max_num_seqs
     if args.chunked_prefill:
@@ -137,7 +138,7 @@ def _print_report(args, workload, results, slo, limits, bound) -> None:
 def _decode_breakdown(args, device) -> dict:
     """Phases of a decode step at batch sizes 1, 2, 4, ... up to ``--breakdown`` (chapter 12)."""
     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= args.breakdown]
-    llm = LLM(args.model, device=str(device), block_size=args.block_size, max_num_seqs=max(sizes),
+    llm = LLM(args.model, device=str(device), dtype=args.dtype, block_size=args.block_size, max_num_seqs=max(sizes),
               num_blocks=max(sizes) * cdiv(64 + 16, args.block_size) + 8)
     breakdown = step_breakdown(llm, sizes, prompt_len=64, steps=5)
     print("\none decode step, by phase (ms, medians of 5; prompts of 64 tokens):")
@@ -184,9 +185,9 @@ def _bench(args, parser) -> int:
     compare = [c for c in compare if c != "none"]
     if compare and not workload.is_offline:
         parser.error(f"argument --compare: needs an offline workload; {workload.name!r} has arrivals over time")
-    model, _ = load_model(args.model, device)
+    model, _ = load_model(args.model, device, getattr(torch, args.dtype))
     print(f"workload {workload.name}: {workload.description}; greedy, ignore_eos, seed {args.seed}")
-    print(f"model {args.model} float32 on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
+    print(f"model {args.model} {args.dtype} on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
                                                        if device.type == "cpu" else ""), flush=True)
     opts = _engine_options(args, device)
     results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
@@ -228,6 +229,9 @@ def main(argv=None) -> int:
     b.add_argument("--json", metavar="FILE", type=writable_file, help="also write every figure to FILE as JSON")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
+    b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="weights and KV of minivllm and of every baseline (default: %(default)s, where greedy "
+                        "outputs match HF exactly; bfloat16 is far faster on a CPU with AMX)")
     b.add_argument("--seed", type=nonneg_int, default=0)
     b.add_argument("--num-requests", type=positive_int, default=None,
                    help="override the workload's number of requests")
@@ -282,6 +286,8 @@ def main(argv=None) -> int:
             b.error("argument --compare: not with --server (the baselines run in this process)")
         if args.workload == "memory-pressure":
             b.error("argument --workload: memory-pressure squeezes the engine's own KV pool; a server has its own")
+        if args.dtype != "float32":
+            b.error("argument --dtype: not with --server (the server's own --dtype sets it)")
     elif args.max_num_seqs:
         check_token_budget(b, args.max_num_batched_tokens, args.max_num_seqs, "--max-num-seqs")
     return _bench(args, b)

@@ -4,6 +4,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from minivllm import LLM
 from minivllm.bench import (MachineLimits, PhaseClock, ReservingBlockManager, Timer, WORKLOADS, make_workload,
@@ -170,6 +171,25 @@ def test_cli_bench_writes_json_and_generate_streams(tmp_path, capsys):
     assert "one decode step, by phase" in printed
     assert main(["generate", "Hi", "--model", "tiny-random", "--max-tokens", "5", "--raw"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def test_cli_bench_runs_the_engine_and_the_baselines_in_the_dtype_asked(tmp_path, capsys, monkeypatch):
+    """--dtype bfloat16: the engine and the static baseline both run bf16 weights (same tokens: one forward code)."""
+    import minivllm.__main__ as cli
+    from minivllm.__main__ import main
+
+    dtypes = []
+    real_load = cli.load_model
+    monkeypatch.setattr(cli, "load_model", lambda name, device, dtype: dtypes.append(dtype) or real_load(name, device, dtype))
+    out = tmp_path / "r.json"
+    assert main(["bench", "--workload", "offline", "--model", "tiny-random", "--num-requests", "3", "--dtype",
+                 "bfloat16", "--prompt-len", "8", "16", "--output-len", "4", "4", "--compare", "static",
+                 "--no-roofline", "--quiet", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["engine_options"]["dtype"] == "bfloat16"
+    assert dtypes == [torch.bfloat16]  # the model the static baseline runs
+    assert [r["same_outputs_as_minivllm"] for r in report["results"]] == [3, 3]
+    assert "tiny-random bfloat16 on" in capsys.readouterr().out
 
 
 def test_cli_help_documents_both_commands(capsys):

@@ -81,6 +81,9 @@ MAIN_CASES = [  # (argv, the flag the message names, words of the allowed range)
     (BENCH + ["--rate", "2"], "--rate", "offline"),  # a size the workload does not have
     (ONLINE + ["--compare", "static"], "--compare", "offline"),  # used to load the model first
     (BENCH + ["--max-num-seqs", "8", "--max-num-batched-tokens", "4"], "--max-num-batched-tokens", ">= 8"),
+    (BENCH + ["--dtype", "float16"], "--dtype", "bfloat16"),
+    (["bench", "--workload", "online", "--server", "http://127.0.0.1:1", "--dtype", "bfloat16"], "--dtype",
+     "the server's own"),
     (["generate", "Hi", "--model", "tiny-random", "--max-tokens", "0"], "--max-tokens", ">= 1"),
     (["generate", "Hi", "--model", "tiny-random", "--temperature", "-1"], "--temperature", ">= 0"),
     (["generate", "Hi", "--model", "tiny-random", "--temperature", "nan"], "--temperature", ">= 0"),
