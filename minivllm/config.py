@@ -63,9 +63,9 @@ class EngineConfig:
     defaults are minivllm's own, built through the same code path; the
     exercises plug a reader's part in here.
 
-    ``pack_weights`` prepacks linear weights for oneDNN on a float32 CPU,
-    fusing the q/k/v and the gate/up projections (chapter 12); it never
-    changes the tokens.
+    ``pack_weights`` prepacks linear weights for oneDNN on the CPU (float32 or
+    bfloat16), fusing the q/k/v and the gate/up projections (chapter 12); it
+    never changes the tokens.
 
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,

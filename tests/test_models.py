@@ -62,6 +62,19 @@ def test_packing_fuses_the_projections_that_share_an_input():
             assert torch.allclose(out, linear(x, m.weight), atol=1e-4)
 
 
+def test_bfloat16_packing_computes_what_the_plain_bfloat16_model_does():
+    """On a CPU with bf16 oneDNN, packing (and fusing) a bf16 model keeps its logits to within one bf16 step."""
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no bfloat16 oneDNN on this CPU")
+    packed, tok = load_model("smollm2-135m", "cpu", torch.bfloat16, pack_weights=True)
+    plain, _ = load_model("smollm2-135m", "cpu", torch.bfloat16, pack_weights=False)
+    assert packed.model.layers[0].mlp.fused_gate_up is not None and plain.lm_head.packed is None
+    for prompt in PROMPTS:
+        ids = tok(prompt)["input_ids"]
+        a, b = packed.logits(ids).float(), plain.logits(ids).float()
+        assert (a - b).abs().max().item() <= 0.125 and torch.equal(a.argmax(-1), b.argmax(-1)), prompt
+
+
 def test_smollm2_architecture(smollm2):
     model, tok = smollm2
     c = model.config

@@ -148,7 +148,7 @@ def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weigh
     """Load ``(model, tokenizer)``: minivllm's own forward with the checkpoint's weights.
 
     ``pack_weights`` prepacks the linear weights for oneDNN where that works,
-    fusing the q/k/v and gate/up projections (a float32 CPU model; chapter 12), without changing what the model computes
+    fusing the q/k/v and gate/up projections (a float32 or bfloat16 model on the CPU; chapter 12), without changing what the model computes
     beyond float32 rounding. Models are kept per (name, device, dtype,
     pack_weights), and the packed and plain models of one checkpoint share its
     weight tensors, so a notebook that builds several engines reads the

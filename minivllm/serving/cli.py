@@ -47,7 +47,7 @@ FIELD_HELP = {
     "dtype": f"weights and KV: {', '.join(DTYPE_CHOICES)} (auto: float32 on cpu, bfloat16 on cuda)",
     "enforce_eager": "never replay decode steps as CUDA graphs (graphs are on by default on cuda)",
     "seed": "seed of the sampler for requests without their own seed",
-    "pack_weights": "prepack (and fuse) linear weights for oneDNN on a float32 CPU",
+    "pack_weights": "prepack (and fuse) linear weights for oneDNN on the CPU (float32, bfloat16)",
     "scheduler_cls": "scheduler class, as a dotted name",
     "block_manager_cls": "block manager class, as a dotted name",
     "attention_backend": "paged KV cache class, as a dotted name",
