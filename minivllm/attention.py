@@ -260,8 +260,8 @@ class PagedBatch:
         """``slot_mapping`` with every -1 (a padding row) sent to ``scratch_slot``; built once per step."""
         cached = getattr(self, "_write_slots", None)
         if cached is None or cached[0] != scratch_slot:
-            slots_ = torch.where(self.slot_mapping < 0, scratch_slot, self.slot_mapping)
-            cached = self._write_slots = (scratch_slot, slots_)
+            mapped = torch.where(self.slot_mapping < 0, scratch_slot, self.slot_mapping)
+            cached = self._write_slots = (scratch_slot, mapped)
         return cached[1]
 
     def _varlen_metadata(self, block_tables, context_lens, query_lens, device) -> None:
@@ -453,7 +453,7 @@ class PagedKVCache:
         self.v_slots[layer].index_copy_(0, write, v)
         if self.attention_kernel == VARLEN:
             return varlen_paged(q, k_pool, v_pool, batch)
-        out = None if batch.groups[0].every_token else torch.empty_like(q)
+        out = None if batch.groups and batch.groups[0].every_token else torch.empty_like(q)
         for g in batch.groups:  # gather whole blocks, then see them as one run of keys
             B, W = g.block_tables.shape
             flat = g.block_tables.flatten()

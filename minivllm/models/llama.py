@@ -212,8 +212,9 @@ class LlamaForCausalLM(nn.Module):
                 attn, mlp = layer.self_attn, layer.mlp
                 attn.fused_qkv = FusedMatmul(attn.q_proj, attn.k_proj, attn.v_proj)
                 mlp.fused_gate_up = FusedMatmul(mlp.gate_proj, mlp.up_proj)
-                for m in (attn.o_proj, mlp.down_proj, self.lm_head):
+                for m in (attn.o_proj, mlp.down_proj):
                     m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 32)
+            self.lm_head.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)
             attn = self.model.layers[0].self_attn
             probe = torch.randn(3, attn.q_proj.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
             plain_qkv = torch.cat([F.linear(probe, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
