@@ -42,6 +42,11 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def mkldnn_bf16_supported() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (AMX or AVX-512 BF16); False where torch cannot say."""
+    return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+
+
 class FusedMatmul:
     """Linears that read the same input as one packed matmul, their weights stacked (chapter 12).
 
@@ -205,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         w = self.lm_head.weight
         if (not enabled or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
                 or not torch.backends.mkldnn.is_available()
-                or (w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported())):
+                or (w.dtype == torch.bfloat16 and not mkldnn_bf16_supported())):
             return False
         try:
             for layer in self.model.layers:
@@ -215,17 +220,21 @@ class LlamaForCausalLM(nn.Module):
                 for m in (attn.o_proj, mlp.down_proj):
                     m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 32)
             self.lm_head.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)
-            attn = self.model.layers[0].self_attn
-            probe = torch.randn(3, attn.q_proj.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
-            plain_qkv = torch.cat([F.linear(probe, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
-            pairs = [(attn.project_qkv(probe), plain_qkv), (self.lm_head(probe), F.linear(probe, w))]
-            tol = 1e-4 if w.dtype == torch.float32 else 2e-2
-            if not all(torch.allclose(a, b, rtol=tol, atol=tol) for a, b in pairs):
+            if not self._packing_agrees():
                 raise RuntimeError("packed and plain matmul disagree")
         except Exception:  # any build without a working oneDNN path: plain F.linear is always right
             clear()
             return False
         return True
+
+    def _packing_agrees(self) -> bool:
+        """The packed q/k/v (fused) and LM head against plain ``F.linear`` on a seeded probe."""
+        attn, w = self.model.layers[0].self_attn, self.lm_head.weight
+        probe = torch.randn(3, attn.q_proj.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        plain_qkv = torch.cat([F.linear(probe, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
+        pairs = [(attn.project_qkv(probe), plain_qkv), (self.lm_head(probe), F.linear(probe, w))]
+        tol = 1e-4 if w.dtype == torch.float32 else 2e-2
+        return all(torch.allclose(a, b, rtol=tol, atol=tol) for a, b in pairs)
 
     def rope(self, positions: torch.Tensor, dtype):
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()
