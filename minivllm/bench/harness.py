@@ -354,6 +354,24 @@ def roofline(model, workload: Workload, limits: MachineLimits) -> dict:
 
 # -- Where the time goes: the phases of one engine step (chapter 11) --------------------------------------
 
+def _start_decoding(llm, batch: int, prompt_len: int, steps: int, seed: int, label: str) -> list[str]:
+    """``batch`` requests of ``prompt_len`` random tokens, prefilled and one step into decoding; their ids.
+
+    Each has room for ``steps`` more decode steps. The step breakdowns below
+    time the steps that follow, then abort these requests.
+    """
+    engine = llm.engine
+    prompts, _ = random_workload(llm.get_tokenizer(), batch, (prompt_len, prompt_len), (1, 1), seed)
+    ids = [f"{label}-{batch}-{i}" for i in range(batch)]
+    for rid, p in zip(ids, prompts):
+        engine.add_request(rid, p, _exactly(steps + 3))
+    while any(s.status.name != "RUNNING" or not s.output_token_ids for s in engine.scheduler.sequences
+              if s.request_id in ids):
+        engine.step()
+    engine.step()  # the first all-decode step: not measured
+    return ids
+
+
 OP_KINDS = {  # profiler op name -> what it is, for decode_op_breakdown (first match wins)
     "linear": "matmuls", "addmm": "matmuls", "aten::mm": "matmuls", "aten::bmm": "matmuls",
     "index_select": "KV gather", "scaled_dot_product": "attention", "varlen_attn": "attention",
@@ -372,14 +390,7 @@ def decode_op_breakdown(llm, batch: int, prompt_len: int = 64, steps: int = 5, s
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
-    prompts, _ = random_workload(llm.get_tokenizer(), batch, (prompt_len, prompt_len), (1, 1), seed)
-    ids = [f"ops-{batch}-{i}" for i in range(batch)]
-    for rid, p in zip(ids, prompts):
-        engine.add_request(rid, p, _exactly(steps + 3))
-    while any(s.status.name != "RUNNING" or not s.output_token_ids for s in engine.scheduler.sequences
-              if s.request_id in ids):
-        engine.step()
-    engine.step()  # first all-decode step: unprofiled
+    ids = _start_decoding(llm, batch, prompt_len, steps, seed, "ops")
     cuda = torch.device(engine.runner.device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
@@ -413,14 +424,7 @@ def step_breakdown(llm, batch_sizes=(1, 2, 4, 8, 16, 32, 64), prompt_len: int = 
     out = {}
     try:
         for B in batch_sizes:
-            prompts, _ = random_workload(llm.get_tokenizer(), B, (prompt_len, prompt_len), (1, 1), seed + B)
-            ids = [f"breakdown-{B}-{i}" for i in range(B)]
-            for rid, p in zip(ids, prompts):
-                engine.add_request(rid, p, _exactly(steps + 3))
-            while any(s.status.name != "RUNNING" or not s.output_token_ids for s in engine.scheduler.sequences
-                      if s.request_id in ids):
-                engine.step()
-            engine.step()  # first all-decode step: untimed
+            ids = _start_decoding(llm, B, prompt_len, steps, seed + B, "breakdown")
             samples = []
             for _ in range(steps):
                 t0 = time.perf_counter()
