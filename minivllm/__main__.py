@@ -111,6 +111,8 @@ def _engine_options(args, device) -> dict:
         opts["tensor_parallel_size"] = args.tensor_parallel_size
     if args.kv_offload_blocks:
         opts["kv_offload_blocks"] = args.kv_offload_blocks
+    if args.compile_attention:
+        opts["compile_attention"] = True
     return opts
 
 
@@ -125,6 +127,9 @@ def _print_report(args, workload, results, slo, limits, bound) -> None:
     print(f"KV pool: {ours.steps[0].total_blocks} blocks of {args.block_size}; in use mean {sum(used) / len(used):.0%}, "
           f"peak {max(used):.0%}; slots in partly filled blocks {100 * sum(waste) / max(1, len(waste)):.1f}% of used; "
           f"preemptions {ours.stats.num_preemptions}; {len(ours.steps)} steps")
+    print(f"attention: {ours.stats.attention_kernel}" + (
+        f"; compiled in {ours.stats.attention_compile_seconds:.1f} s before timing (batch buckets "
+        f"{ours.stats.attention_compiled_buckets})" if ours.stats.attention_compiled_buckets else ""))
     if limits:
         print(f"machine: {limits}")
         print(f"roofline for this workload: {bound['seconds']:.2f} s ({bound['prefill_s']:.2f} s prefill, "
@@ -257,6 +262,9 @@ def main(argv=None) -> int:
                    help="a CPU tier of this many blocks for the prefix cache (chapter 14; needs --prefix-caching)")
     b.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="run minivllm over this many worker processes (chapter 15; default: 1)")
+    b.add_argument("--compile-attention", action="store_true",
+                   help="decode attention read in place, compiled by torch.compile (chapter 12; the CPU); "
+                        "every batch bucket compiles before timing")
     b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",
                    help="goodput: TTFT limit in ms")
     b.add_argument("--slo-tpot", type=positive_finite_float, default=None, metavar="MS",
@@ -288,6 +296,10 @@ def main(argv=None) -> int:
             b.error("argument --workload: memory-pressure squeezes the engine's own KV pool; a server has its own")
         if args.dtype != "float32":
             b.error("argument --dtype: not with --server (the server's own --dtype sets it)")
+        if args.compile_attention:
+            b.error("argument --compile-attention: not with --server (the server's engine is its own)")
+    elif args.compile_attention and args.tensor_parallel_size > 1:
+        b.error("argument --compile-attention: not with --tensor-parallel-size > 1 (the workers keep the gather)")
     elif args.max_num_seqs:
         check_token_budget(b, args.max_num_batched_tokens, args.max_num_seqs, "--max-num-seqs")
     return _bench(args, b)

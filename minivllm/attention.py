@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.block_manager import slots
+from minivllm.compiled_attention import COMPILED, CompiledDecodeAttention, pad_to_bucket
 from minivllm.copy_stream import BlockCopier
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "PagedKVCache",
     "GATHER",
     "VARLEN",
+    "COMPILED",
     "choose_attention_kernel",
 ]
 
@@ -206,7 +208,8 @@ class AttentionGroup:
     out_index: torch.Tensor  # [valid rows] long
     all_valid: bool  # no padding rows (every decode group): the output needs no boolean gather
     every_token: bool = False  # row b is token b, one query each: q and the output need no indexing
-    additive: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # dtype -> 0/-inf mask
+    context_lens: torch.Tensor | None = None  # [B] long: each row's context (what a compiled decode reads)
+    built: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # built once per step, then reused
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
         """``folded_mask`` as an additive float mask (0 where allowed, -inf elsewhere).
@@ -214,10 +217,16 @@ class AttentionGroup:
         SDPA converts a boolean mask to this form on every call; converting once
         per step saves it in every layer.
         """
-        if dtype not in self.additive:
+        if dtype not in self.built:
             mask = torch.zeros(self.folded_mask.shape, dtype=dtype, device=self.folded_mask.device)
-            self.additive[dtype] = mask.masked_fill_(~self.folded_mask, float("-inf"))
-        return self.additive[dtype]
+            self.built[dtype] = mask.masked_fill_(~self.folded_mask, float("-inf"))
+        return self.built[dtype]
+
+    def bucketed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``block_tables`` and ``context_lens`` padded for the compiled decode (:func:`pad_to_bucket`), once per step."""
+        if "bucketed" not in self.built:
+            self.built["bucketed"] = pad_to_bucket(self.block_tables, self.context_lens)
+        return self.built["bucketed"]
 
 
 class PagedBatch:
@@ -292,7 +301,8 @@ class PagedBatch:
         rows = torch.arange(B, device=device)
         mask = (torch.arange(W * block_size, device=device)[None, :] < context_lens[:, None]).unsqueeze(1)
         self.groups = [AttentionGroup(block_tables, mask, fold_mask(mask, num_queries_per_kv), rows[:, None],
-                                      torch.ones(B, 1, dtype=torch.bool, device=device), rows, True, True)]
+                                      torch.ones(B, 1, dtype=torch.bool, device=device), rows, True, True,
+                                      context_lens.long())]
         self.cu_seq_q = torch.arange(B + 1, dtype=torch.int32, device=device)
         self.context_lens = context_lens.to(torch.int32)
         self.cu_seq_k = torch.cat([torch.zeros(1, dtype=torch.int32, device=device),
@@ -320,7 +330,7 @@ class PagedBatch:
         query_index = torch.where(valid, start[:, None] + i, 0)
         every_token = max_q == 1 and [starts[b] for b in rows] == list(range(self.num_tokens))
         return AttentionGroup(tables, mask, fold_mask(mask, self.num_queries_per_kv), query_index, valid,
-                              query_index[valid], bool(qlen.min() == max_q), every_token)
+                              query_index[valid], bool(qlen.min() == max_q), every_token, ctx)
 
 
 def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = 4,
@@ -378,7 +388,7 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype=torch.float32, device="cpu", num_cpu_blocks: int = 0, num_queries_per_kv: int = 1,
-                 attention_kernel: str | None = None, num_offload_blocks: int = 0):
+                 attention_kernel: str | None = None, num_offload_blocks: int = 0, compile_attention: bool = False):
         self.scratch_slot = num_blocks * block_size
         store = (num_layers, self.scratch_slot + 1, num_kv_heads, head_dim)  # [layer, slot (+ scratch), head, dim]
         self.k_slots = torch.zeros(store, dtype=dtype, device=device)
@@ -396,14 +406,25 @@ class PagedKVCache:
         self.tier_v = torch.zeros(tier_shape, dtype=dtype, pin_memory=pin)
         self.block_size = block_size
         self.copier = BlockCopier(torch.device(device))
-        self.attention_kernel = attention_kernel or choose_attention_kernel(device, dtype, num_queries_per_kv)
+        compiled = CompiledDecodeAttention() if compile_attention else None
+        self.attention_kernel = attention_kernel or choose_attention_kernel(device, dtype, num_queries_per_kv, compiled)
+        self.compiled = (compiled or CompiledDecodeAttention()) if self.attention_kernel == COMPILED else None
+        self.num_queries_per_kv = num_queries_per_kv
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0):
+    def for_model(cls, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0,
+                  compile_attention: bool = False):
         c, p = model.config, next(model.parameters())
         return cls(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, model.head_dim,
                    p.dtype, p.device, num_cpu_blocks, c.num_attention_heads // c.num_key_value_heads,
-                   num_offload_blocks=num_offload_blocks)
+                   num_offload_blocks=num_offload_blocks, compile_attention=compile_attention)
+
+    def warm_up(self, max_rows: int) -> float:
+        """Compile the in-place decode's batch buckets up to ``max_rows`` now, if it runs; the seconds it took."""
+        if self.compiled is None:
+            return 0.0
+        heads = self.k.shape[-2] * self.num_queries_per_kv
+        return self.compiled.warm_up(self.k[0], self.v[0], heads, max_rows)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole device blocks, every layer: (source, destination) pairs."""
@@ -446,7 +467,6 @@ class PagedKVCache:
         return 2 * c.num_hidden_layers * c.num_key_value_heads * model.head_dim * p.element_size()
 
     def forward(self, layer: int, q, k, v, positions, batch: PagedBatch):
-        kv_heads, d = k.shape[1:]
         k_pool, v_pool = self.k[layer], self.v[layer]
         write = batch.write_slots(self.scratch_slot)  # -1: the scratch slot
         self.k_slots[layer].index_copy_(0, write, k)
@@ -454,17 +474,27 @@ class PagedKVCache:
         if self.attention_kernel == VARLEN:
             return varlen_paged(q, k_pool, v_pool, batch)
         out = None if batch.groups and batch.groups[0].every_token else torch.empty_like(q)
-        for g in batch.groups:  # gather whole blocks, then see them as one run of keys
-            B, W = g.block_tables.shape
-            flat = g.block_tables.flatten()
-            keys = k_pool.index_select(0, flat).view(B, W * self.block_size, kv_heads, d).transpose(1, 2)
-            values = v_pool.index_select(0, flat).view(B, W * self.block_size, kv_heads, d).transpose(1, 2)
+        for g in batch.groups:
             queries = q.unsqueeze(2) if g.every_token else q[g.query_index].transpose(1, 2)  # [B, heads, Lq, D]
-            o = attend(queries, keys, values, g.additive_mask(q.dtype)).transpose(1, 2)  # [B, Lq, heads, D]
+            o = self._attend_group(g, queries, k_pool, v_pool)  # [B, Lq, heads, D]
             if g.every_token:  # a decode-only step: row b is token b
                 return o.flatten(0, 1)
             out[g.out_index] = o.flatten(0, 1) if g.all_valid else o[g.valid]  # decodes: no padding rows
         return out
+
+    def _attend_group(self, g: AttentionGroup, queries, k_pool, v_pool) -> torch.Tensor:
+        """One group's output ``[B, Lq, heads, D]``: decode rows compiled in place where chosen, else gathered."""
+        if self.compiled is not None and queries.shape[2] == 1:
+            try:
+                return self.compiled(queries[:, :, 0], k_pool, v_pool, *g.bucketed()).unsqueeze(1)
+            except Exception:  # a bucket that fails to compile: the gather path from now on, reported in stats
+                self.compiled, self.attention_kernel = None, GATHER
+        B, W = g.block_tables.shape  # gather whole blocks, then see them as one run of keys
+        _, block_size, kv_heads, d = k_pool.shape
+        flat = g.block_tables.flatten()
+        keys = k_pool.index_select(0, flat).view(B, W * block_size, kv_heads, d).transpose(1, 2)
+        values = v_pool.index_select(0, flat).view(B, W * block_size, kv_heads, d).transpose(1, 2)
+        return attend(queries, keys, values, g.additive_mask(queries.dtype)).transpose(1, 2)
 
     forward.skips_padding_slots = True  # a subclass that overrides forward must say so itself (CUDA graphs rely on it)
 
@@ -489,34 +519,53 @@ def varlen_paged(q, k_pool, v_pool, batch: PagedBatch) -> torch.Tensor:
                             block_table=batch.block_table)
 
 
-def choose_attention_kernel(device, dtype, num_queries_per_kv: int = 1) -> str:
+def choose_attention_kernel(device, dtype, num_queries_per_kv: int = 1,
+                            compiled: CompiledDecodeAttention | None = None) -> str:
     """The best attention this device runs correctly, chosen once when the pool is built (chapter 12).
 
     :data:`VARLEN` needs CUDA, Ampere or newer (FlashAttention), fp16/bf16 and
-    a torch with ``varlen_attn(block_table=...)``, and must agree with
-    :data:`GATHER` on a probe batch (a chunk after cached keys and decodes,
-    grouped-query heads); anything else, the CPU included, gets :data:`GATHER`.
+    a torch with ``varlen_attn(block_table=...)``. :data:`COMPILED` is tried
+    on the CPU when asked for (``compiled``, from ``compile_attention``): it
+    needs ``torch.compile`` to work here (a C++ compiler). Either must agree
+    with :data:`GATHER` on a probe batch (a chunk after cached keys and
+    decodes, grouped-query heads); anything else gets :data:`GATHER`.
     """
     device = torch.device(device)
+    if compiled is not None and device.type == "cpu":
+        return COMPILED if _agrees_safely(COMPILED, device, dtype, num_queries_per_kv, compiled) else GATHER
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or varlen_attn_fn() is None:
         return GATHER
     if torch.cuda.get_device_capability(device)[0] < 8:
         return GATHER
+    return VARLEN if _agrees_safely(VARLEN, device, dtype, num_queries_per_kv) else GATHER
+
+
+def _agrees_safely(kernel: str, device, dtype, group: int, compiled=None) -> bool:
+    """:func:`_agrees`, where a kernel that raises (no compiler, a refused block size) does not agree."""
     try:
-        return VARLEN if _varlen_agrees(device, dtype, num_queries_per_kv) else GATHER
-    except Exception:  # a build or block size the kernel refuses: the gather path is always right
-        return GATHER
+        return _agrees(kernel, device, dtype, group, compiled)
+    except Exception:  # the gather path is always right
+        return False
 
 
-def _varlen_agrees(device, dtype, group: int, block_size: int = 16, kv_heads: int = 2, d: int = 64) -> bool:
-    """Run one probe batch through both kernels and compare (bf16 tolerance)."""
+@torch.inference_mode()  # as the engine runs: the compiled probe's bucket is then reused
+def _agrees(kernel: str, device, dtype, group: int, compiled=None, block_size: int = 16, kv_heads: int = 2,
+            d: int = 64) -> bool:
+    """Run one probe batch through ``kernel`` and :data:`GATHER` and compare (fp32 1e-4, else bf16 tolerance)."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    cache = PagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=GATHER)
+    reference = PagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=GATHER)
+    fast = PagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=kernel)
+    if compiled is not None:
+        fast.compiled = compiled  # the engine's own: its compile time counts
     batch = PagedBatch([[3, 1, 4], [5], [7, 9]], [40, 9, 20], [8, 1, 1], block_size, device, group)
     shapes = ((batch.num_tokens, kv_heads * group, d), (batch.num_tokens, kv_heads, d))
-    cache.k.copy_(torch.randn(cache.k.shape, generator=g))
-    cache.v.copy_(torch.randn(cache.v.shape, generator=g))
+    pools = torch.randn((2, *reference.k.shape), generator=g)
+    for cache in (reference, fast):
+        cache.k.copy_(pools[0])
+        cache.v.copy_(pools[1])
     q, k, v = (torch.randn(shape, generator=g).to(device, dtype) for shape in (shapes[0], shapes[1], shapes[1]))
-    reference = cache.forward(0, q, k, v, None, batch)
-    fast = varlen_paged(q, cache.k[0], cache.v[0], batch)
-    return bool(torch.allclose(fast.float(), reference.float(), atol=2e-2, rtol=2e-2))
+    expected = reference.forward(0, q, k, v, None, batch)
+    got = fast.forward(0, q, k, v, None, batch)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    return kernel == fast.attention_kernel and bool(torch.allclose(got.float(), expected.float(), atol=tolerance,
+                                                                   rtol=tolerance))

@@ -67,6 +67,13 @@ class EngineConfig:
     bfloat16), fusing the q/k/v and the gate/up projections (chapter 12); it
     never changes the tokens.
 
+    ``compile_attention`` (the CPU) has decode rows read the KV pool in place
+    through their block tables, with attention compiled by ``torch.compile``
+    instead of gathered into a copy (chapter 12). Each batch bucket compiles
+    once (seconds; ``stats()`` counts them); where compiling fails, or its
+    probe disagrees, the gather path stays, and ``stats().attention_kernel``
+    says which runs. The tokens are the same either way.
+
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,
     decode-only steps replay CUDA graphs (chapter 12) unless ``enforce_eager``.
@@ -110,6 +117,7 @@ class EngineConfig:
     pack_weights: bool = True
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    compile_attention: bool = False
     disaggregated: bool = False
     kv_transfer_timeout: float = 30.0
     scheduler_cls: type | str = "minivllm.scheduler.Scheduler"
@@ -144,6 +152,9 @@ class EngineConfig:
         check(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63 - 1]", self.seed)
         check(isinstance(self.pack_weights, bool), "pack_weights", "True or False", self.pack_weights)
         check(isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager)
+        check(isinstance(self.compile_attention, bool), "compile_attention", "True or False", self.compile_attention)
+        check(not self.compile_attention or self.tensor_parallel_size == 1, "compile_attention",
+              "False with tensor_parallel_size > 1 (the workers keep the gather path)", self.compile_attention)
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
               "an integer >= 1", self.tensor_parallel_size)
         self._check_tensor_parallel_devices()

@@ -114,7 +114,8 @@ class LLMEngine:
                                                        self._eos_token_ids(), self.kv_bytes_per_block)
         args = (self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
                 resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
-        self.runner = ModelRunner(*args, **tier) if self.workers is None else TensorParallelRunner(self.workers, *args)
+        options = dict(tier, compile_attention=True) if config.compile_attention else tier  # chapter 12
+        self.runner = ModelRunner(*args, **options) if self.workers is None else TensorParallelRunner(self.workers, *args)
         if config.use_cuda_graphs and self.workers is None:  # decode steps replay CUDA graphs (chapter 12)
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
 
@@ -402,7 +403,16 @@ class LLMEngine:
                 **self._tier_stats(bm),
                 attention_kernel=getattr(self.runner.kv_cache, "attention_kernel", GATHER),
                 cuda_graph_sizes=tuple(sorted(graphs.graphs)) if graphs is not None else (),
+                **self._compile_stats(),
             )
+
+    def _compile_stats(self) -> dict:
+        """Seconds spent compiling the in-place decode attention, and the batch buckets compiled (chapter 12)."""
+        compiled = getattr(self.runner.kv_cache, "compiled", None)
+        if compiled is None:
+            return {}
+        return {"attention_compile_seconds": compiled.compile_seconds,
+                "attention_compiled_buckets": compiled.bucket_sizes}
 
     def _tier_stats(self, bm) -> dict:
         """The CPU offload tier's counters, in blocks and bytes, and its share of the prefix hits (chapter 14)."""

@@ -50,12 +50,14 @@ class ModelRunner:
     """Owns the model, the KV pools (``kv_cache_cls``, the attention backend) and the sampler."""
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 kv_cache_cls=PagedKVCache, sampler=None, num_offload_blocks: int = 0):
+                 kv_cache_cls=PagedKVCache, sampler=None, num_offload_blocks: int = 0, compile_attention: bool = False):
         self.model = model
         self.device = model.lm_head.weight.device
         self.block_size = block_size
-        tier = {"num_offload_blocks": num_offload_blocks} if num_offload_blocks else {}  # chapter 14's CPU tier
-        self.kv_cache = kv_cache_cls.for_model(model, num_blocks, block_size, num_cpu_blocks, **tier)
+        extra = {"num_offload_blocks": num_offload_blocks} if num_offload_blocks else {}  # chapter 14's CPU tier
+        if compile_attention:  # asked for only when wanted, so a backend without the option still plugs in
+            extra["compile_attention"] = True
+        self.kv_cache = kv_cache_cls.for_model(model, num_blocks, block_size, num_cpu_blocks, **extra)
         self.sampler = sampler if sampler is not None else Sampler(self.device)
         self.num_queries_per_kv = model.config.num_attention_heads // model.config.num_key_value_heads
         self.graph_runner: DecodeGraphRunner | None = None  # decode steps through static buffers (chapter 12)

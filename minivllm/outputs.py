@@ -66,7 +66,10 @@ class EngineStats:
     num_tier_blocks: int = 0
     num_total_tier_blocks: int = 0
     prefix_cache_tier_hits: int = 0  # of prefix_cache_hits, tokens restored from the tier (the rest: on the device)
-    attention_kernel: str = "gather+sdpa"  # the KV pool's attention kernel (chapter 12): "gather+sdpa" or "varlen+block_table"
+    attention_kernel: str = "gather+sdpa"  # the KV pool's attention kernel (chapter 12): "gather+sdpa", "varlen+block_table"
+    # or "compiled in-place decode" (compile_attention=True); with the last, seconds spent compiling and the buckets
+    attention_compile_seconds: float = 0.0
+    attention_compiled_buckets: tuple = ()
     cuda_graph_sizes: tuple = ()  # decode batch sizes captured as CUDA graphs (empty: eager, always on the CPU)
 
     @property

@@ -56,15 +56,15 @@ def test_cpu_engine_reports_the_gather_kernel_and_no_graphs():
 def test_kernel_choice_on_cuda_needs_ampere_half_precision_and_a_passing_probe(monkeypatch):
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-    monkeypatch.setattr(attention, "_varlen_agrees", lambda *a: True)
+    monkeypatch.setattr(attention, "_agrees", lambda *a: True)
     assert choose_attention_kernel(cuda, torch.bfloat16) == VARLEN
     assert choose_attention_kernel(cuda, torch.float32) == GATHER  # FlashAttention has no fp32
     assert choose_attention_kernel("cpu", torch.bfloat16) == GATHER
-    monkeypatch.setattr(attention, "_varlen_agrees", lambda *a: False)  # the probe disagrees: never trust it
+    monkeypatch.setattr(attention, "_agrees", lambda *a: False)  # the probe disagrees: never trust it
     assert choose_attention_kernel(cuda, torch.bfloat16) == GATHER
-    monkeypatch.setattr(attention, "_varlen_agrees", lambda *a: 1 / 0)  # the kernel refuses the probe
+    monkeypatch.setattr(attention, "_agrees", lambda *a: 1 / 0)  # the kernel refuses the probe
     assert choose_attention_kernel(cuda, torch.bfloat16) == GATHER
-    monkeypatch.setattr(attention, "_varlen_agrees", lambda *a: True)
+    monkeypatch.setattr(attention, "_agrees", lambda *a: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))  # a T4
     assert choose_attention_kernel(cuda, torch.float16) == GATHER
 

@@ -376,6 +376,7 @@ OP_KINDS = {  # profiler op name -> what it is, for decode_op_breakdown (first m
     "linear": "matmuls", "addmm": "matmuls", "aten::mm": "matmuls", "aten::bmm": "matmuls",
     "index_select": "KV gather", "scaled_dot_product": "attention", "varlen_attn": "attention",
     "index_copy": "KV write", "aten::max": "sampling", "argmax": "sampling",
+    "CompiledFxGraph": "attention",  # compile_attention's in-place decode (the engine compiles nothing else)
 }
 
 
