@@ -114,8 +114,10 @@ class LLMEngine:
                                                        self._eos_token_ids(), self.kv_bytes_per_block)
         args = (self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
                 resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
-        options = dict(tier, compile_attention=True) if config.compile_attention else tier  # chapter 12
-        self.runner = ModelRunner(*args, **options) if self.workers is None else TensorParallelRunner(self.workers, *args)
+        if self.workers is None:  # compile_attention: decode attention read in place, compiled (chapter 12)
+            self.runner = ModelRunner(*args, compile_attention=config.compile_attention, **tier)
+        else:
+            self.runner = TensorParallelRunner(self.workers, *args)
         if config.use_cuda_graphs and self.workers is None:  # decode steps replay CUDA graphs (chapter 12)
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
 
