@@ -38,9 +38,11 @@ def run_alone(prompt, params):
 
 def step_bound(requests, arrivals) -> int:
     """Liveness: the scheduler's head computes a token every step and is only displaced by a better-ranked
-    admission, so each of the n requests is recomputed at most n times; a generous envelope of that."""
+    admission, so each of the S sequences (every sample of every request) is recomputed at most S times; a
+    generous envelope of that. Samples count: beyond ``max_num_seqs`` a fork waits, and recomputes its prompt."""
     total = sum(len(prompt) + params.n * params.max_tokens for _, prompt, params in requests)
-    return max(arrivals) + len(requests) * total + len(requests)
+    sequences = sum(params.n for _, _, params in requests)
+    return max(arrivals) + sequences * total + sequences
 
 
 @st.composite
@@ -194,3 +196,17 @@ def check_bad_value(field, value, prompt):
     assert llm.generate([prompt], good, use_tqdm=False)[0].outputs[0].token_ids == run_alone(prompt, good)
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+
+
+def test_forked_samples_beyond_max_num_seqs_finish_within_the_bound():
+    """Found by hypothesis: n=3 samples with one sequence at a time; each waiting fork recomputes its prompt."""
+    requests = [("r0", [1, 1, 1], SamplingParams(n=3, temperature=0.0, max_tokens=2))]
+    llm = LLM("tiny-random", device="cpu", block_size=1, num_blocks=5, max_num_seqs=1, max_num_batched_tokens=1,
+              enable_chunked_prefill=True, max_prefill_chunk_size=1, preemption_protection_steps=0)
+    llm.engine.add_request(*requests[0])
+    steps = 0
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+        steps += 1
+        assert steps <= step_bound(requests, [0])
+    assert steps == 12  # 3 prefill, 1 decode; each other sample waits, then recomputes prompt + token in 4 steps
