@@ -132,6 +132,11 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.shutdown()
 
+    def check_health(self) -> None:
+        """Raise :class:`WorkerError` if the engine can no longer step (vLLM's name): a tensor-parallel rank died."""
+        if self.workers is not None:
+            self.workers.check_health()
+
     def _max_model_len(self) -> int:
         limit = self.model.config.max_position_embeddings
         wanted = self.config.max_model_len

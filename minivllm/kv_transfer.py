@@ -17,6 +17,8 @@ head dim x dtype bytes x tokens``, the tokens rounded up to whole blocks. A
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from minivllm.config import cdiv, check
@@ -26,7 +28,8 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceStatus
 
 __all__ = ["FINGERPRINT_FIELDS", "fingerprint", "check_fingerprints", "kv_bytes", "holding_scheduler", "held",
-           "release", "read_kv", "start_decode", "first_delta"]
+           "release", "read_kv", "start_decode", "first_delta", "params_to_json", "params_from_json",
+           "generator_state"]
 
 FINGERPRINT_FIELDS = ("model", "dtype", "layers", "kv_heads", "head_dim", "block_size")
 HOLD = (SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_STOPPED)  # ends whose KV is still good
@@ -71,6 +74,7 @@ def holding_scheduler(base: type) -> type:
                 for block in seq.block_table:
                     self.block_manager.claim(block)
                 holder.block_table, holder.cached_token_count = list(seq.block_table), seq.cached_token_count
+                holder.generator = seq.generator  # a seeded request's random state goes on with it
                 self.held[seq.request_id] = holder
             super().finish(seq, status)
 
@@ -103,14 +107,40 @@ def read_kv(engine: LLMEngine, request_id: str) -> torch.Tensor:
         return torch.stack([kv.k[:, ids], kv.v[:, ids]])
 
 
+def params_to_json(params: SamplingParams) -> dict:
+    """A request's sampling params as JSON data (what travels between processes: never a pickle)."""
+    return dataclasses.asdict(params)
+
+
+def params_from_json(data: dict) -> SamplingParams:
+    """:func:`params_to_json`'s data back as validated ``SamplingParams`` (a ValueError names a bad field)."""
+    check(isinstance(data, dict), "params", "a JSON object of SamplingParams fields", type(data).__name__)
+    fields = {f.name for f in dataclasses.fields(SamplingParams)}
+    check(set(data) <= fields, "params", f"fields among {sorted(fields)}", sorted(set(data) - fields))
+    return SamplingParams(**data)
+
+
+def generator_state(engine: LLMEngine, request_id: str) -> str | None:
+    """The held request's seeded generator state (hex), so the decode side draws what one engine would."""
+    g = held(engine)[request_id].generator
+    return None if g is None else g.get_state().numpy().tobytes().hex()
+
+
 def start_decode(engine: LLMEngine, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                 first_token: int, kv: torch.Tensor) -> bool:
-    """Admit a prefilled request: blocks, its KV written, its first token appended, RUNNING. False: no blocks now."""
+                 first_token: int, kv: torch.Tensor, generator: str | None = None) -> bool:
+    """Admit a prefilled request: blocks, its KV written, its first token appended, RUNNING. False: no blocks now.
+
+    ``generator``: the prefill side's seeded generator state after the first token (:func:`generator_state`)."""
     with engine.lock:
         text, ids = engine.validate_request(request_id, list(prompt_ids), params)
         check(kv.shape[2] == engine.config.blocks_for(len(ids)), "kv", f"{engine.config.blocks_for(len(ids))} "
               f"blocks for a {len(ids)}-token prompt", tuple(kv.shape))
         seq = Sequence(request_id, ids, params.clone())
+        if generator is not None:
+            seq.generator = torch.Generator(device=engine.runner.device)
+            seq.generator.set_state(torch.frombuffer(bytearray.fromhex(generator), dtype=torch.uint8))
+        elif params.seed is not None:
+            seq.generator = torch.Generator(device=engine.runner.device).manual_seed(params.seed)
         if not engine.block_manager.allocate(seq, len(ids)):
             return False
         pool = engine.runner.kv_cache

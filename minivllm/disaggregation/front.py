@@ -9,16 +9,22 @@ each. A request goes to the prefill worker; its first token comes back from
 there, every later token from the decode worker, and the front stitches the
 two into one stream (one ``RequestMetrics``: TTFT is the prefill's).
 
-Faults: the front checks its workers at every step. A worker that died (or
-a link that broke: the other side reports it) is restarted **automatically**
-under a new link epoch; the requests it owned fail with ``finish_reason
-"error"`` and a message, and the others go on.
+Faults: the front checks its workers at every step. A worker that died, a
+link that broke (the other side reports it), or a worker that leaves a
+heartbeat unanswered for ``kv_transfer_timeout`` seconds (stopped, or stuck)
+is restarted **automatically** under a new link epoch, without waiting for
+it: the requests it owned fail with ``finish_reason "error"`` and a
+message, new ones queue until the workers meet again, and the others go
+on. The front never blocks on a worker: each worker's messages go out
+through a sender thread of its own, so a worker that stops reading cannot
+stall the front (or the server's loop above it).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import queue
 import threading
 import time
 import weakref
@@ -26,12 +32,12 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from multiprocessing.connection import wait as wait_for_pipes
 
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm.config import EngineConfig, check
 from minivllm.disaggregation.link import DECODE, PREFILL
 from minivllm.disaggregation.worker import worker_main
+from minivllm.distributed.rendezvous import Signer, loopback_store
 from minivllm.distributed.workers import GRACE, WorkerError, stop_process
 from minivllm.engine import LLMEngine
 from minivllm.models import load_tokenizer
@@ -44,6 +50,7 @@ __all__ = ["DisaggregatedEngine", "ROLES"]
 ROLES = {PREFILL: "prefill", DECODE: "decode"}
 START_TIMEOUT = 300.0  # seconds a worker may take to start (load its model) and meet its peer
 STEP_WAIT = 0.05  # seconds a step waits for a worker's message when none is ready
+HEARTBEAT_S = 0.5  # a ready worker is asked for its stats this often; kv_transfer_timeout unanswered: stalled
 
 
 @dataclass
@@ -78,11 +85,14 @@ class DisaggregatedEngine(LLMEngine):
         worker = replace(config, disaggregated=False)
         self.worker_configs = {PREFILL: prefill_config or worker, DECODE: decode_config or worker}
         self.cores = cores
-        self.procs, self.conns, self.info, self._stats = {}, {}, {}, {}
-        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=START_TIMEOUT),
-                                   wait_for_workers=False)
+        self.procs, self.conns, self.outboxes, self.info, self._stats = {}, {}, {}, {}, {}
+        self._asked = {role: [] for role in ROLES}  # when each unanswered stats request went out, oldest first
+        self._sent, self._answered, self._last_ask = Counter(), Counter(), Counter()  # stats requests, per role
+        self._started_at: dict[int, float] = {}
+        self.signer = Signer()  # this launch's secret: the workers sign and check what crosses the store
+        self.store = loopback_store(None, datetime.timedelta(seconds=START_TIMEOUT))
         self._closed = False
-        weakref.finalize(self, _stop_all, self.procs, self.conns)  # no worker outlives a dropped front
+        weakref.finalize(self, _stop_all, self.procs, self.conns, self.outboxes)  # no worker outlives the front
         try:
             for role in ROLES:
                 self._spawn(role)
@@ -102,18 +112,26 @@ class DisaggregatedEngine(LLMEngine):
         threads = 1 if core is not None else max(1, _cores() // 2)
         p = ctx.Process(target=worker_main, name=f"minivllm-{ROLES[role]}", daemon=True,
                         args=(role, self.store.port, self.epoch, self.worker_configs[role], theirs, threads, core,
-                              self.config.kv_transfer_timeout))
+                              self.config.kv_transfer_timeout, self.signer.secret))
         p.start()
         theirs.close()
-        self.procs[role], self.conns[role] = p, mine
+        outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_send_loop, args=(mine, outbox), name=f"minivllm-front-to-{ROLES[role]}",
+                         daemon=True).start()
+        self.procs[role], self.conns[role], self.outboxes[role] = p, mine, outbox
         self.info.pop(role, None)
+        self._asked[role], self._started_at[role] = [], time.monotonic()
+        self._sent[role] = self._answered[role] = 0
+
+    def _ready_now(self, role: int) -> bool:
+        return self.info.get(role, {}).get("epoch") == self.epoch
 
     def _await_ready(self, roles) -> None:
-        """Pump messages until every role in ``roles`` reports ready for this epoch (bounded)."""
+        """Pump messages until every role in ``roles`` reports ready for this epoch (bounded; at start only)."""
         deadline = time.monotonic() + START_TIMEOUT
-        while any(self.info.get(r, {}).get("epoch") != self.epoch for r in roles):
+        while not all(self._ready_now(r) for r in roles):
             for role in roles:
-                if self.procs[role].exitcode is not None and self.info.get(role, {}).get("epoch") != self.epoch:
+                if self.procs[role].exitcode is not None and not self._ready_now(role):
                     raise WorkerError(self._describe(role) + " while starting")
             if time.monotonic() > deadline:
                 raise WorkerError(f"the disaggregated workers did not meet within {START_TIMEOUT} s")
@@ -137,44 +155,81 @@ class DisaggregatedEngine(LLMEngine):
             except (EOFError, OSError):  # it died: the check below restarts it
                 pass
         if check:
+            self._heartbeat()
             self._check_workers()
+
+    def _heartbeat(self) -> None:
+        """Ask each ready worker for its stats every HEARTBEAT_S (the answers feed :meth:`stats`)."""
+        t = time.monotonic()
+        for role in ROLES:
+            if self._ready_now(role) and t - self._last_ask[role] >= HEARTBEAT_S and len(self._asked[role]) < 4:
+                self._ask_stats(role)
+
+    def _ask_stats(self, role: int) -> int:
+        """Send ``role`` a stats request; returns its number (answers come back in order)."""
+        self._last_ask[role] = time.monotonic()
+        self._asked[role].append(self._last_ask[role])
+        self._sent[role] += 1
+        self._send(role, ("stats",))
+        return self._sent[role]
+
+    def _stalled(self, role: int) -> str | None:
+        """Why ``role`` counts as stalled: a stats request unanswered, or a (re)start, for too long."""
+        t, limit = time.monotonic(), self.config.kv_transfer_timeout
+        if self._ready_now(role):
+            asked = self._asked[role]
+            if asked and t - asked[0] > limit:
+                return f"the {ROLES[role]} worker (pid {self.procs[role].pid}) answered nothing for {t - asked[0]:.0f} s"
+        elif t - self._started_at[role] > START_TIMEOUT:
+            return f"the {ROLES[role]} worker (pid {self.procs[role].pid}) did not start within {START_TIMEOUT} s"
+        return None
 
     def _check_workers(self) -> None:
         for role in ROLES:
-            if self.procs[role].exitcode is not None or self.info.get(role, {}).get("down"):
-                self._restart(role, self._describe(role) if self.procs[role].exitcode is not None
-                              else f"the {ROLES[role]} worker stopped answering on the KV link")
+            if self.procs[role].exitcode is not None:
+                self._restart(role, self._describe(role))
+            elif self.info.get(role, {}).get("down"):
+                self._restart(role, f"the {ROLES[role]} worker stopped answering on the KV link")
+            elif (why := self._stalled(role)) is not None:
+                self._restart(role, why + " (stalled)")
 
     def _restart(self, role: int, reason: str) -> None:
-        """Fail what ``role`` owned, replace its process, and let both sides meet under a new epoch."""
+        """Fail what ``role`` owned, replace its process, and let both sides meet under a new epoch.
+
+        It does not wait for the new process: requests queue in the workers' pipes until they meet."""
         owned = "prefill" if role == PREFILL else "decode"
         for req in [r for r in self.requests.values() if r.stage == owned]:
             self._fail(req, f"{reason}; the front restarted it")
-        stop_process(self.procs[role], 0)
-        self.conns[role].close()
+        old, conn, outbox = self.procs[role], self.conns[role], self.outboxes[role]
+        old.kill()  # a stopped process dies too (SIGKILL needs no cooperation)
+        outbox.put(None)  # its sender thread leaves
+        stop_process(old, 0)
+        conn.close()
         self.epoch += 1
         self._spawn(role)
-        self._send(1 - role, ("join", self.epoch))
-        self.info[1 - role]["epoch"] = None
-        self._await_ready(ROLES)
+        other = 1 - role
+        self._send(other, ("join", self.epoch))
+        self.info[other]["epoch"], self._started_at[other] = None, time.monotonic()
         self.restarts[ROLES[role]] += 1
 
     def _send(self, role: int, msg: tuple) -> None:
-        try:
-            self.conns[role].send(msg)
-        except (OSError, ValueError):  # a dead worker: the next check restarts it
-            pass
+        """Queue ``msg`` for ``role``'s sender thread (never blocks; a dead worker's messages are dropped)."""
+        self.outboxes[role].put(msg)
 
     def _on_message(self, role: int, msg: tuple) -> None:
         kind, rest = msg[0], msg[1:]
         if kind == "ready":
             self.info[role] = {**rest[1], "epoch": rest[0]}
+            self._asked[role] = [time.monotonic() for _ in self._asked[role]]  # it was busy meeting its peer
         elif kind in ("refused", "error"):
             if kind == "refused" and self.info.get(role, {}).get("epoch") is None:
                 raise ValueError(rest[0])
             self.info.setdefault(role, {})["error"] = rest[0].strip().splitlines()[-1]
         elif kind == "stats":
             self._stats[role] = rest[0]
+            self._answered[role] += 1
+            if self._asked[role]:
+                self._asked[role].pop(0)
         elif kind == "link_down":
             self.info.setdefault(1 - role, {})["down"] = True
         elif kind in ("first", "out"):
@@ -232,14 +287,24 @@ class DisaggregatedEngine(LLMEngine):
             self.requests.pop(req.request_id, None)
 
     # -- LLMEngine's API -----------------------------------------------------------------------
+    def validate_request(self, request_id, prompt, params, priority=0, arrival_time=None):
+        """LLMEngine's checks, and what the two workers cannot split: one sample, no logprobs."""
+        text, ids = super().validate_request(request_id, prompt, params, priority, arrival_time)
+        check(params.n == 1, "n", "1 with disaggregated=True (one sample per request)", params.n)
+        check(params.logprobs is None, "logprobs", "None with disaggregated=True", params.logprobs)
+        return text, ids
+
     def _add(self, request_id, prompt, params=None, priority=0, arrival_time=None, inbox=None) -> None:
         params = SamplingParams() if params is None else params
         text, ids = self.validate_request(request_id, prompt, params, priority, arrival_time)
-        check(params.n == 1, "n", "1 with disaggregated=True (one sample per request)", params.n)
-        check(params.logprobs is None, "logprobs", "None with disaggregated=True", params.logprobs)
         arrival = time.perf_counter() if arrival_time is None else arrival_time
         self.requests[request_id] = FrontRequest(request_id, text, ids, arrival, inbox)
         self._send(PREFILL, ("add", request_id, ids, params.clone(), priority, arrival))
+
+    def has_unfinished_requests(self) -> bool:
+        """A request still in a worker, or an output the workers sent that :meth:`step` has not handed out."""
+        with self.lock:
+            return bool(self.requests or self._ready or self._held)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request wherever it is: the decode worker first (so a transfer in flight gets an empty ack)."""
@@ -262,29 +327,40 @@ class DisaggregatedEngine(LLMEngine):
         ready, self._ready = self._ready, []
         return ready
 
+    def check_health(self) -> None:
+        """Raise WorkerError once the front is shut down (a worker that dies or stalls is restarted instead)."""
+        if self._closed:
+            raise WorkerError("the disaggregated engine is shut down")
+
     def worker_stats(self, timeout: float = 60.0) -> dict[str, dict]:
-        """Ask both workers for their engine stats, transfer counters and block invariants."""
+        """Both workers' engine stats, transfer counters and block invariants, as of now (waits, bounded)."""
         with self.lock:
-            self._stats = {}
-            for role in ROLES:
-                self._send(role, ("stats",))
+            want = {role: self._ask_stats(role) for role in ROLES}
             deadline = time.monotonic() + timeout
-            while len(self._stats) < len(ROLES):
+            while any(self._answered[r] < want[r] for r in ROLES):  # answers come in order
                 if time.monotonic() > deadline:
                     raise WorkerError(f"the workers did not report their stats within {timeout} s")
                 self._pump(STEP_WAIT)
+                for role in ROLES:
+                    if self._sent[role] < want[role]:  # restarted meanwhile: ask the new process
+                        want[role] = self._ask_stats(role)
             return {ROLES[r]: s for r, s in self._stats.items()}
 
     def stats(self) -> EngineStats:
-        s = self.worker_stats()
-        p, d = s["prefill"]["engine"], s["decode"]["engine"]
-        return EngineStats(num_running=d.num_running, num_prefilling=p.num_prefilling + p.num_running,
-                           num_waiting=p.num_waiting, num_swapped=p.num_swapped + d.num_swapped,
-                           num_free_blocks=p.num_free_blocks + d.num_free_blocks,
-                           num_total_blocks=p.num_total_blocks + d.num_total_blocks,
-                           prefix_cache_hit_rate=p.prefix_cache_hit_rate,
-                           num_preemptions=p.num_preemptions + d.num_preemptions,
-                           num_failed_requests=self.num_failed_requests)
+        """The workers' latest heartbeat stats combined (never waits: a stalled worker cannot block it)."""
+        with self.lock:
+            self._pump(0)
+            if len(self._stats) < len(ROLES):  # no heartbeat answered yet: an idle engine's figures
+                blocks = 2 * self.num_blocks
+                return EngineStats(0, 0, 0, 0, blocks, blocks, 0.0, 0, num_failed_requests=self.num_failed_requests)
+            p, d = self._stats[PREFILL]["engine"], self._stats[DECODE]["engine"]
+            return EngineStats(num_running=d.num_running, num_prefilling=p.num_prefilling + p.num_running,
+                               num_waiting=p.num_waiting, num_swapped=p.num_swapped + d.num_swapped,
+                               num_free_blocks=p.num_free_blocks + d.num_free_blocks,
+                               num_total_blocks=p.num_total_blocks + d.num_total_blocks,
+                               prefix_cache_hit_rate=p.prefix_cache_hit_rate,
+                               num_preemptions=p.num_preemptions + d.num_preemptions,
+                               num_failed_requests=self.num_failed_requests)
 
     def check_invariants(self) -> None:
         """Both workers' block invariants (each checks its own pool and held blocks)."""
@@ -301,18 +377,27 @@ class DisaggregatedEngine(LLMEngine):
             if self._closed:
                 return
             self._closed = True
-            _stop_all(self.procs, self.conns)
+            _stop_all(self.procs, self.conns, self.outboxes)
             self.store = None  # the rendezvous server goes now, not during interpreter exit
 
 
-def _stop_all(procs: dict, conns: dict) -> None:
-    for role, conn in conns.items():
+def _send_loop(conn, outbox: queue.SimpleQueue) -> None:
+    """A worker's sender thread: its messages, in order, until None or a broken pipe (the worker is gone)."""
+    while (msg := outbox.get()) is not None:
         try:
-            conn.send(("shutdown",))
+            conn.send(msg)
         except (OSError, ValueError):
-            pass
+            return
+
+
+def _stop_all(procs: dict, conns: dict, outboxes: dict) -> None:
+    """SHUTDOWN to every worker, GRACE seconds for all of them together to leave, then a kill for the rest."""
+    for outbox in outboxes.values():
+        outbox.put(("shutdown",))
+        outbox.put(None)
+    deadline = time.monotonic() + GRACE
     for p in procs.values():
-        stop_process(p, GRACE)
+        stop_process(p, max(0.0, deadline - time.monotonic()))
     for conn in conns.values():
         conn.close()
 

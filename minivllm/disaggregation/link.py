@@ -7,9 +7,12 @@ next epoch, so nothing of a dead peer's group is reused.
 
 What is small goes through the store: each side's fingerprint (the
 handshake) and one header per transfer (request id, prompt, sampling
-params, first token, the payload's shape) under ``xfer/<k>``, which the
-decode worker polls for between its steps (a gloo receive cannot be
-polled). What is large, the prompt's KV (:func:`minivllm.kv_transfer.kv_bytes`
+params, first token, the seeded generator's state, the payload's shape)
+under ``xfer/<k>``, which the decode worker polls for between its steps (a
+gloo receive cannot be polled). Both are JSON signed with the launch's
+secret (:class:`~minivllm.distributed.rendezvous.Signer`): the store is a
+socket, so nothing read from it is unpickled, and a value this launch did
+not sign is refused. What is large, the prompt's KV (:func:`minivllm.kv_transfer.kv_bytes`
 of it), goes over the group as one tensor, and the decode worker answers
 over the group with one integer: :data:`ACK_OWNED` (it holds the copy now)
 or :data:`ACK_EMPTY` (the request was aborted; nothing kept). Every wait is
@@ -17,18 +20,18 @@ bounded by the link's timeout; a peer that dies closes its socket, so the
 other side's send or receive fails at once.
 
 The group is gloo, on CPU tensors (a CUDA pool is staged through host
-memory). NCCL would need the two workers on two GPUs; it is not built here.
+memory), bound to the loopback interface. NCCL would need the two workers on two GPUs; it is not built here.
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from minivllm.distributed.rendezvous import LOOPBACK, BadSignature, Signer, gloo_device
 from minivllm.kv_transfer import check_fingerprints
 
 __all__ = ["PREFILL", "DECODE", "ACK_OWNED", "ACK_EMPTY", "LinkError", "KVLink", "open_link"]
@@ -50,6 +53,7 @@ class KVLink:
     rank: int
     epoch: int
     timeout: datetime.timedelta
+    signer: Signer
     next_key: int = 0  # the next transfer's index (sent, on the prefill side; expected, on the decode side)
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -58,12 +62,16 @@ class KVLink:
 
     def handshake(self, fingerprint: dict, timeout: float) -> None:
         """Swap fingerprints through the store; a different KV layout is refused, naming the field."""
-        self.store.set(f"fingerprint{self.rank}", pickle.dumps(fingerprint))
-        other = f"fingerprint{1 - self.rank}"
+        mine, other = f"fingerprint{self.rank}", f"fingerprint{1 - self.rank}"
+        self.store.set(mine, self.signer.pack(self._signed(mine), fingerprint))
         self.store.wait([other], datetime.timedelta(seconds=timeout))
-        theirs = pickle.loads(self.store.get(other))
+        theirs = self.signer.unpack(self._signed(other), self.store.get(other))
         prefill, decode = (fingerprint, theirs) if self.rank == PREFILL else (theirs, fingerprint)
         check_fingerprints(prefill, decode)
+
+    def _signed(self, key: str) -> str:
+        """What a value's signature covers: its key and the epoch (a value from an earlier epoch is refused)."""
+        return f"epoch{self.epoch}/{key}"
 
     def _wait(self, op, what: str) -> None:
         """Start ``op`` (a send or receive) and wait for it, at most the link's timeout."""
@@ -81,7 +89,7 @@ class KVLink:
         payload = kv.detach().to("cpu").contiguous()
         header = {**header, "shape": tuple(payload.shape), "dtype": str(payload.dtype).removeprefix("torch.")}
         ack = torch.zeros(1, dtype=torch.long)
-        self.store.set(f"xfer/{k}", pickle.dumps(header))
+        self.store.set(f"xfer/{k}", self.signer.pack(self._signed(f"xfer/{k}"), header))
         posted()
         self._wait(lambda: self.group.send([payload], DECODE, k), "sending the KV")
         self.bytes_sent += payload.numel() * payload.element_size()
@@ -95,8 +103,12 @@ class KVLink:
         k = self.next_key
         if not self.store.check([f"xfer/{k}"]):
             return None
-        header = pickle.loads(self.store.get(f"xfer/{k}"))
+        data = self.store.get(f"xfer/{k}")
         self.store.delete_key(f"xfer/{k}")
+        try:
+            header = self.signer.unpack(self._signed(f"xfer/{k}"), data)
+        except BadSignature as e:  # not this launch's: the link cannot be trusted any more
+            raise LinkError(f"KV link epoch {self.epoch}: {e}") from None
         self.next_key += 1
         kv = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]))
         self._wait(lambda: self.group.recv([kv], PREFILL, k), "receiving the KV")
@@ -114,15 +126,18 @@ class KVLink:
                 "empty_acks": self.empty_acks, "epoch": self.epoch}
 
 
-def open_link(port: int, rank: int, epoch: int, join_timeout: float, timeout: float) -> KVLink:
-    """Join epoch ``epoch``'s two-rank gloo group on the front's store.
+def open_link(port: int, rank: int, epoch: int, join_timeout: float, timeout: float, secret: bytes) -> KVLink:
+    """Join epoch ``epoch``'s two-rank gloo group on the front's store (both on 127.0.0.1).
 
     The peer may take ``join_timeout`` seconds to arrive (a restarted worker
     loads its model first); each transfer's send, receive and ack then waits
-    at most ``timeout`` seconds.
+    at most ``timeout`` seconds. ``secret`` signs and checks what goes
+    through the store.
     """
     join = datetime.timedelta(seconds=join_timeout)
-    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=join)
+    store = dist.TCPStore(LOOPBACK, port, None, False, timeout=join)
     prefixed = dist.PrefixStore(f"epoch{epoch}/", store)
-    group = dist.ProcessGroupGloo(prefixed, rank, 2, join)
-    return KVLink(prefixed, group, rank, epoch, datetime.timedelta(seconds=timeout))
+    options = dist.ProcessGroupGloo._Options()
+    options._devices, options._timeout = [gloo_device()], join
+    group = dist.ProcessGroupGloo(prefixed, rank, 2, options)
+    return KVLink(prefixed, group, rank, epoch, datetime.timedelta(seconds=timeout), Signer(secret))

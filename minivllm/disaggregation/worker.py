@@ -36,7 +36,8 @@ from minivllm.config import EngineConfig, resolve
 from minivllm.disaggregation.link import ACK_EMPTY, ACK_OWNED, DECODE, PREFILL, LinkError, open_link
 from minivllm.distributed.workers import watch_parent
 from minivllm.engine import LLMEngine
-from minivllm.kv_transfer import first_delta, fingerprint, held, holding_scheduler, read_kv, release, start_decode
+from minivllm.kv_transfer import (first_delta, fingerprint, generator_state, held, holding_scheduler, params_from_json,
+                                  params_to_json, read_kv, release, start_decode)
 
 __all__ = ["worker_main", "PrefillWorker", "DecodeWorker"]
 
@@ -46,7 +47,7 @@ JOIN_TIMEOUT = 300.0  # seconds to wait for the peer at a (re)start: it may be l
 
 
 def worker_main(role: int, port: int, epoch: int, config: EngineConfig, conn, threads: int, core: int | None,
-                timeout: float) -> None:
+                timeout: float, secret: bytes) -> None:
     """A spawned worker's life; any failure is reported to the front with its traceback."""
     watch_parent(os.getppid(), f"minivllm-{'prefill' if role == PREFILL else 'decode'}-watchdog")
     try:
@@ -55,7 +56,7 @@ def worker_main(role: int, port: int, epoch: int, config: EngineConfig, conn, th
         torch.set_num_threads(threads)
         conn.send(("hello", os.getpid()))
         cls = PrefillWorker if role == PREFILL else DecodeWorker
-        cls(config, conn, port, epoch, timeout).run()
+        cls(config, conn, port, epoch, timeout, secret).run()
     except BaseException as e:
         kind = "refused" if isinstance(e, ValueError) else "error"
         print(f"minivllm {cls_name(role)} worker:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -77,9 +78,9 @@ class Worker:
 
     role = PREFILL
 
-    def __init__(self, config: EngineConfig, conn, port: int, epoch: int, timeout: float):
+    def __init__(self, config: EngineConfig, conn, port: int, epoch: int, timeout: float, secret: bytes):
         self.engine = LLMEngine(self.engine_config(config))
-        self.conn, self.port, self.timeout = conn, port, timeout
+        self.conn, self.port, self.timeout, self.secret = conn, port, timeout, secret
         self.past = Counter()  # transfer counters of earlier epochs
         self.faults: dict[str, float] = {}  # fault point -> seconds to sleep there (-1: die there)
         self.running = True
@@ -93,7 +94,7 @@ class Worker:
         if getattr(self, "link", None) is not None:
             self.past.update({k: self.link.counters()[k] for k in COUNTERS})
         self.link = None
-        link = open_link(self.port, self.role, epoch, JOIN_TIMEOUT, self.timeout)
+        link = open_link(self.port, self.role, epoch, JOIN_TIMEOUT, self.timeout, self.secret)
         link.handshake(fingerprint(self.engine), JOIN_TIMEOUT)
         self.link = link
         self.conn.send(("ready", epoch, self.info()))
@@ -215,7 +216,8 @@ class PrefillWorker(Worker):
     def transfer(self, out, params, first_token: int) -> None:
         """Send the held KV; free it on the ack, on a timeout or on a dead peer (then the request fails)."""
         rid = out.request_id
-        header = {"request_id": rid, "prompt_ids": out.prompt_token_ids, "params": params, "first_token": first_token}
+        header = {"request_id": rid, "prompt_ids": list(out.prompt_token_ids), "params": params_to_json(params),
+                  "first_token": first_token, "generator": generator_state(self.engine, rid)}
         try:
             self.fault("prefill:before_send")
             self.drain()  # an abort that came meanwhile: nothing is sent (the blocks were released)
@@ -285,8 +287,8 @@ class DecodeWorker(Worker):
         while self.waiting and len(e.scheduler.running) < e.config.max_num_seqs:
             header, kv = self.waiting[0]
             try:
-                if not start_decode(e, header["request_id"], header["prompt_ids"], header["params"],
-                                    header["first_token"], kv):
+                if not start_decode(e, header["request_id"], header["prompt_ids"], params_from_json(header["params"]),
+                                    header["first_token"], kv, header.get("generator")):
                     return
             except ValueError as err:  # refused by this engine (e.g. its pool is smaller): the request fails
                 self.conn.send(("failed", header["request_id"], f"the decode worker refused the request: {err}"))

@@ -8,7 +8,8 @@ and Colab), which load their shard, build their KV pool (their KV heads
 only) and run every step rank 0 sends until it sends SHUTDOWN.
 
 The ranks meet on a ``TCPStore`` that rank 0 opens on 127.0.0.1 at a free
-port, or through ``env://`` when ``torchrun`` started every rank (``RANK``,
+port (listening there only, and their gloo sockets bound to loopback:
+:mod:`minivllm.distributed.rendezvous`), or through ``env://`` when ``torchrun`` started every rank (``RANK``,
 ``WORLD_SIZE``, ``MASTER_ADDR``), so the same engine runs across machines.
 The forward's collectives use gloo on the CPU and NCCL on CUDA; the step
 broadcasts use a second, gloo group of CPU tensors, on which an idle worker
@@ -24,6 +25,7 @@ gone (a watchdog thread), so nothing is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
@@ -39,6 +41,7 @@ import torch.multiprocessing as mp
 
 from minivllm.config import EngineConfig, check, resolve
 from minivllm.distributed import protocol
+from minivllm.distributed.rendezvous import LOOPBACK, loopback_gloo, loopback_store
 from minivllm.model_runner import ModelRunner
 from minivllm.models import TensorParallelGroup, load_config, load_model_shard
 from minivllm.models.parallel import valid_tensor_parallel_sizes, weight_bytes
@@ -89,8 +92,10 @@ def _join(rank: int, world: int, device: torch.device, store=None) -> tuple[Tens
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     init = {"store": store} if store is not None else {"init_method": "env://"}
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=TIMEOUT, **init)
-    control = dist.new_group(backend="gloo", timeout=IDLE)
+    # Spawned ranks share this machine: their gloo sockets bind to loopback (torchrun's follow its own settings).
+    with loopback_gloo() if store is not None else contextlib.nullcontext():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=TIMEOUT, **init)
+        control = dist.new_group(backend="gloo", timeout=IDLE)
     return TensorParallelGroup(rank, world), control
 
 
@@ -131,11 +136,7 @@ class Workers:
 
     def guard(self, fn):
         """Run rank 0's side of a collective step; on any failure shut every worker down and say why."""
-        if self.closed:
-            raise WorkerError(f"the tensor-parallel workers are shut down ({self.error or 'shutdown() was called'})")
-        dead = self.dead_ranks(wait=0.0)
-        if dead:
-            self.fail(self.describe(dead))
+        self.check_health()
         try:
             return fn()
         except BaseException as e:
@@ -145,6 +146,14 @@ class Workers:
                 self.fail(reason, e)
             self.shutdown(graceful=False, error=reason)
             raise
+
+    def check_health(self) -> None:
+        """Raise :class:`WorkerError` if the group is shut down or a rank has died (then shut the others down)."""
+        if self.closed:
+            raise WorkerError(f"the tensor-parallel workers are shut down ({self.error or 'shutdown() was called'})")
+        dead = self.dead_ranks(wait=0.0)
+        if dead:
+            self.fail(self.describe(dead))
 
     def dead_ranks(self, wait: float) -> list[int]:
         """Ranks whose process has exited, waiting up to ``wait`` seconds for one to."""
@@ -230,7 +239,7 @@ def start_workers(config: EngineConfig) -> Workers:
 
 def _spawn(config: EngineConfig, world: int) -> Workers:
     """Rank 0 of a single-machine group: a TCPStore on a free port, then ``world - 1`` spawned workers."""
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    store = loopback_store(world, TIMEOUT)
     ctx = mp.get_context("spawn")
     threads = _threads(world) if config.torch_device.type == "cpu" else torch.get_num_threads()
     handle = Workers(TensorParallelGroup(0, world), None, _device(config, 0), threads_before=torch.get_num_threads())
@@ -275,7 +284,7 @@ def worker_main(rank: int, world: int, port: int, config: EngineConfig, threads:
     try:
         torch.set_num_threads(threads)
         conn.send(("hello", os.getpid()))
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
+        store = dist.TCPStore(LOOPBACK, port, world, is_master=False, timeout=TIMEOUT)
         device = _device(config, rank)
         tp, control = _join(rank, world, device, store)
         serve(config, tp, control, device)
@@ -323,7 +332,7 @@ def _run_rank(rank: int, world: int, port: int, fn, args, threads: int, conn) ->
     """One rank of :func:`run_on_ranks`: join the group, run ``fn``, send back its result."""
     try:
         torch.set_num_threads(threads)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=TIMEOUT)
+        store = dist.TCPStore(LOOPBACK, port, world, is_master=False, timeout=TIMEOUT)
         tp, _ = _join(rank, world, torch.device("cpu"), store)
         conn.send(("ok", fn(tp, *args)))
         dist.destroy_process_group()
@@ -339,7 +348,7 @@ def run_on_ranks(fn, world: int, *args, timeout: float = 120.0) -> list:
     Every rank is a subprocess (this process only hosts the store), so it
     works from a notebook; ``fn`` must be importable (defined in a module).
     """
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, timeout=TIMEOUT, wait_for_workers=False)
+    store = loopback_store(world, TIMEOUT)
     ctx, pipes, procs = mp.get_context("spawn"), [], []
     try:
         for rank in range(world):

@@ -14,6 +14,13 @@ handler awaits it. The same ``LLMEngine`` code path serves ``LLM.generate``.
   the loop thread frees its blocks before the next step.
 - :meth:`AsyncLLM.shutdown` stops accepting, lets requests in flight finish for
   a grace period, then aborts the rest (their streams raise :class:`ServerShuttingDown`).
+- The loop never dies and never idles with an output undelivered: an error in
+  a step, in publishing stats or in a health check fails the requests in
+  flight (their streams raise :class:`RequestFailed`) and the loop goes on.
+  An engine that can no longer step (``check_health`` raises
+  :class:`~minivllm.distributed.WorkerError`: a tensor-parallel rank died) is
+  shut down and built again from the builder; meanwhile :attr:`is_alive` is
+  False (``/health`` answers 503) and new requests get :class:`EngineRestarting`.
 
 Give it a function that builds the engine rather than the engine, as the
 server does, and the loop thread builds it: then one thread does all the
@@ -33,12 +40,13 @@ from collections import deque
 from typing import AsyncIterator, Callable
 
 from minivllm.config import check, is_int
+from minivllm.distributed import WorkerError
 from minivllm.engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.timing import now
 
-__all__ = ["AsyncLLM", "RequestStream", "QueueFull", "ServerShuttingDown", "RequestFailed"]
+__all__ = ["AsyncLLM", "RequestStream", "QueueFull", "ServerShuttingDown", "EngineRestarting", "RequestFailed"]
 
 log = logging.getLogger("minivllm.serving")
 IDLE_WAIT_S = 0.5  # an idle loop thread wakes this often (to publish stats, to notice a deadline)
@@ -52,6 +60,10 @@ class QueueFull(Exception):
 
 class ServerShuttingDown(Exception):
     """The server is draining: no new requests, and what is left at the deadline is aborted."""
+
+
+class EngineRestarting(ServerShuttingDown):
+    """The engine failed as a whole and is being built again: retry shortly (a 503, like draining)."""
 
 
 class RequestFailed(Exception):
@@ -106,6 +118,9 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._stats_at = float("-inf")
         self._build = engine if callable(engine) else (lambda: engine)
+        self._rebuildable = callable(engine)  # an engine given as it is cannot be built again
+        self._healthy = True  # False while a failed engine is rebuilt (or when it cannot be)
+        self.num_engine_restarts = 0
         self._started, self._start_error = threading.Event(), None
         self._thread = threading.Thread(target=self._run, name="minivllm-engine-loop", daemon=True)
         self._thread.start()
@@ -122,8 +137,8 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
-        """Whether the loop thread runs (``/health``)."""
-        return self._thread.is_alive()
+        """Whether the loop thread runs and its engine can step (``/health``)."""
+        return self._thread.is_alive() and self._healthy
 
     # -- the caller's side (the event loop) ------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
@@ -143,8 +158,10 @@ class AsyncLLM:
         return RequestStream(self, request_id, queue)
 
     def _check_room(self, request_id: str) -> None:
-        if not self.accepting or not self.is_alive:
+        if not self.accepting or not self._thread.is_alive():
             raise ServerShuttingDown("the server is shutting down and accepts no new requests")
+        if not self._healthy:
+            raise EngineRestarting("the engine failed and is being restarted; retry shortly")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         if self.max_in_flight is not None and len(self._streams) >= self.max_in_flight:
@@ -187,6 +204,8 @@ class AsyncLLM:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout_s)
+        if self._rebuildable and hasattr(self, "engine"):  # the engine it built is its own to stop
+            self.engine.shutdown()
 
     # -- the loop thread -----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -199,22 +218,52 @@ class AsyncLLM:
             self._started.set()
         while not self._stop.is_set():
             try:
-                self._take_inbox()
-                if self._deadline is not None and now() >= self._deadline:
-                    self._end_all(ServerShuttingDown("aborted: the server shut down before this request finished"))
-                if not engine.has_unfinished_requests():
-                    self._publish([])
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
-                    continue
-                outputs = engine.step()
+                self._once()
+            except WorkerError as e:  # the engine cannot step any more: fail what is in flight, build it again
+                log.error("engine failed: %s", e)
+                self._end_all(RequestFailed(f"engine failed: {e}"))
+                self._restart_engine()
             except Exception as e:  # a bug outside any one request: fail what is in flight, keep serving
                 log.exception("engine loop failed; aborting the requests in flight")
                 self._end_all(RequestFailed(f"engine loop failed: {type(e).__name__}: {e}"))
-                continue
-            self._route(outputs)
-            self._publish(outputs)
         self._end_all(ServerShuttingDown("aborted: the server stopped"))
+
+    def _once(self) -> None:
+        """One turn of the loop: adds and aborts, the deadline, then a step (or, idle, a health check and a nap)."""
+        self._take_inbox()
+        if self._deadline is not None and now() >= self._deadline:
+            self._end_all(ServerShuttingDown("aborted: the server shut down before this request finished"))
+        if not self.engine.has_unfinished_requests():
+            self.engine.check_health()
+            self._publish([])
+            self._wake.wait(IDLE_WAIT_S)
+            self._wake.clear()
+            return
+        outputs = self.engine.step()
+        self._route(outputs)
+        self._publish(outputs)
+
+    def _restart_engine(self) -> None:
+        """Shut the failed engine down and build a new one (unhealthy meanwhile; for good if it cannot be)."""
+        self._healthy = False
+        try:
+            self.engine.shutdown()
+        except Exception:
+            log.exception("shutting the failed engine down")
+        if not self._rebuildable:
+            log.error("the engine was given as an object and cannot be rebuilt: /health stays 503")
+            self._stop.wait()  # nothing more to serve; close() ends the loop
+            return
+        while not self._stop.is_set():
+            try:
+                self.engine = self._build()
+                self.num_engine_restarts += 1
+                self._healthy = True
+                log.warning("engine rebuilt (restart %d)", self.num_engine_restarts)
+                return
+            except Exception:
+                log.exception("rebuilding the engine failed; trying again")
+                self._stop.wait(1.0)
 
     def _take_inbox(self) -> None:
         while self._inbox:
@@ -268,5 +317,9 @@ class AsyncLLM:
             return
         stats = None
         if not outputs or now() - self._stats_at >= STATS_EVERY_S:
-            stats, self._stats_at = self.engine.stats(), now()
+            self._stats_at = now()
+            try:
+                stats = self.engine.stats()
+            except Exception:  # the gauges wait for the next refresh; the outputs are still counted
+                log.exception("reading the engine's stats failed")
         self.metrics.record(outputs, stats)
