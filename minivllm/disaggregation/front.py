@@ -208,8 +208,8 @@ class DisaggregatedEngine(LLMEngine):
         self.epoch += 1
         self._spawn(role)
         other = 1 - role
-        self._send(other, ("join", self.epoch))
-        self.info[other]["epoch"], self._started_at[other] = None, time.monotonic()
+        self._send(other, ("join", self.epoch))  # even while it still meets its last peer: it moves on to this one
+        self.info.setdefault(other, {})["epoch"], self._started_at[other] = None, time.monotonic()
         self.restarts[ROLES[role]] += 1
 
     def _send(self, role: int, msg: tuple) -> None:
@@ -231,7 +231,8 @@ class DisaggregatedEngine(LLMEngine):
             if self._asked[role]:
                 self._asked[role].pop(0)
         elif kind == "link_down":
-            self.info.setdefault(1 - role, {})["down"] = True
+            if rest[1] == self.epoch:  # a link of an earlier epoch is already replaced
+                self.info.setdefault(1 - role, {})["down"] = True
         elif kind in ("first", "out"):
             req = self.requests.get(rest[0].request_id)
             if req is not None:
@@ -377,6 +378,9 @@ class DisaggregatedEngine(LLMEngine):
             if self._closed:
                 return
             self._closed = True
+            for role, p in self.procs.items():
+                if not self._ready_now(role):  # still starting or meeting its peer: it reads no message now
+                    p.kill()
             _stop_all(self.procs, self.conns, self.outboxes)
             self.store = None  # the rendezvous server goes now, not during interpreter exit
 

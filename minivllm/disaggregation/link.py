@@ -34,7 +34,7 @@ import torch.distributed as dist
 from minivllm.distributed.rendezvous import LOOPBACK, BadSignature, Signer, gloo_device
 from minivllm.kv_transfer import check_fingerprints
 
-__all__ = ["PREFILL", "DECODE", "ACK_OWNED", "ACK_EMPTY", "LinkError", "KVLink", "open_link"]
+__all__ = ["PREFILL", "DECODE", "ACK_OWNED", "ACK_EMPTY", "LinkError", "KVLink", "open_link", "presence_store"]
 
 PREFILL, DECODE = 0, 1  # ranks
 ACK_OWNED, ACK_EMPTY = 1, 0
@@ -124,6 +124,11 @@ class KVLink:
     def counters(self) -> dict:
         return {"bytes_sent": self.bytes_sent, "bytes_received": self.bytes_received, "transfers": self.transfers,
                 "empty_acks": self.empty_acks, "epoch": self.epoch}
+
+
+def presence_store(port: int, timeout: float):
+    """A client of the front's store, where each side of an epoch says it is there before they form the group."""
+    return dist.TCPStore(LOOPBACK, port, None, False, timeout=datetime.timedelta(seconds=timeout))
 
 
 def open_link(port: int, rank: int, epoch: int, join_timeout: float, timeout: float, secret: bytes) -> KVLink:

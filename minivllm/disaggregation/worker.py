@@ -33,8 +33,8 @@ from dataclasses import replace
 import torch
 
 from minivllm.config import EngineConfig, resolve
-from minivllm.disaggregation.link import ACK_EMPTY, ACK_OWNED, DECODE, PREFILL, LinkError, open_link
-from minivllm.distributed.workers import watch_parent
+from minivllm.disaggregation.link import ACK_EMPTY, ACK_OWNED, DECODE, PREFILL, LinkError, open_link, presence_store
+from minivllm.distributed.workers import name_process, watch_parent
 from minivllm.engine import LLMEngine
 from minivllm.kv_transfer import (first_delta, fingerprint, generator_state, held, holding_scheduler, params_from_json,
                                   params_to_json, read_kv, release, start_decode)
@@ -49,7 +49,8 @@ JOIN_TIMEOUT = 300.0  # seconds to wait for the peer at a (re)start: it may be l
 def worker_main(role: int, port: int, epoch: int, config: EngineConfig, conn, threads: int, core: int | None,
                 timeout: float, secret: bytes) -> None:
     """A spawned worker's life; any failure is reported to the front with its traceback."""
-    watch_parent(os.getppid(), f"minivllm-{'prefill' if role == PREFILL else 'decode'}-watchdog")
+    watch_parent(os.getppid(), f"minivllm-{cls_name(role)}-watchdog")
+    name_process(f"mvllm-{cls_name(role)}")  # what ps shows: mvllm-prefill, mvllm-decode
     try:
         if core is not None:
             os.sched_setaffinity(0, {core})
@@ -84,6 +85,7 @@ class Worker:
         self.past = Counter()  # transfer counters of earlier epochs
         self.faults: dict[str, float] = {}  # fault point -> seconds to sleep there (-1: die there)
         self.running = True
+        self.deferred: deque = deque()  # the front's messages that came while this worker waited for its peer
         self.join(epoch)
 
     def engine_config(self, config: EngineConfig) -> EngineConfig:
@@ -94,10 +96,34 @@ class Worker:
         if getattr(self, "link", None) is not None:
             self.past.update({k: self.link.counters()[k] for k in COUNTERS})
         self.link = None
+        epoch = self.meet(epoch)
         link = open_link(self.port, self.role, epoch, JOIN_TIMEOUT, self.timeout, self.secret)
         link.handshake(fingerprint(self.engine), JOIN_TIMEOUT)
         self.link = link
         self.conn.send(("ready", epoch, self.info()))
+
+    def meet(self, epoch: int) -> int:
+        """Wait until epoch ``epoch``'s peer is there (bounded); a newer "join" meanwhile moves to its epoch.
+
+        So a worker whose peer died again before they met never waits for a
+        process that will not come; other messages wait in ``deferred``."""
+        store = presence_store(self.port, JOIN_TIMEOUT)
+        deadline = time.monotonic() + JOIN_TIMEOUT
+        while True:
+            here = torch.distributed.PrefixStore(f"epoch{epoch}/", store)
+            here.set(f"present{self.role}", b"1")
+            if here.check([f"present{1 - self.role}"]):
+                return epoch
+            if time.monotonic() > deadline:
+                raise LinkError(f"the peer did not come to epoch {epoch} within {JOIN_TIMEOUT} s")
+            if self.conn.poll(IDLE_POLL * 10):
+                msg = self.conn.recv()
+                if msg[0] == "join":
+                    epoch = max(epoch, msg[1])
+                elif msg[0] == "shutdown":
+                    raise SystemExit(0)
+                else:
+                    self.deferred.append(msg)
 
     def info(self) -> dict:
         e = self.engine
@@ -155,6 +181,9 @@ class Worker:
 
     def run(self) -> None:
         while self.running:
+            if self.deferred:
+                self.handle(self.deferred.popleft())
+                continue
             busy = self.engine.has_unfinished_requests() or self.has_work()
             if self.conn.poll(0 if busy else IDLE_POLL):
                 self.handle(self.conn.recv())
@@ -226,8 +255,8 @@ class PrefillWorker(Worker):
             ack = self.link.send_kv(header, read_kv(self.engine, rid), lambda: self.posted(rid))
         except LinkError as e:
             release(self.engine, rid)
-            self.link = None
-            self.conn.send(("link_down", str(e)))  # first: the front restarts the peer, then fails the request
+            epoch, self.link = self.link.epoch, None
+            self.conn.send(("link_down", str(e), epoch))  # first: the front restarts the peer, then fails the request
             self.conn.send(("failed", rid, f"KV transfer to the decode worker failed: {e}; the prefill worker "
                                            f"freed the request's blocks"))
             return
@@ -259,8 +288,8 @@ class DecodeWorker(Worker):
         try:
             self.receive()
         except LinkError as e:
-            self.link = None
-            self.conn.send(("link_down", str(e)))
+            epoch, self.link = self.link.epoch, None
+            self.conn.send(("link_down", str(e), epoch))
         self.admit()
         if self.engine.has_unfinished_requests():
             for out in self.engine.step():

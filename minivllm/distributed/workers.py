@@ -47,7 +47,7 @@ from minivllm.models import TensorParallelGroup, load_config, load_model_shard
 from minivllm.models.parallel import valid_tensor_parallel_sizes, weight_bytes
 
 __all__ = ["TIMEOUT", "WorkerError", "Workers", "check_tensor_parallel_size", "start_workers", "torchrun_rank",
-           "memory_report", "run_on_ranks", "watch_parent", "stop_process"]
+           "memory_report", "run_on_ranks", "watch_parent", "name_process", "stop_process"]
 
 TIMEOUT = datetime.timedelta(seconds=300)  # rank 0's longest wait: the rendezvous, one collective
 IDLE = datetime.timedelta(days=365)  # a worker waiting for rank 0's next step (it leaves when rank 0 is gone)
@@ -281,6 +281,7 @@ def _wait_for_hellos(handle: Workers) -> None:
 def worker_main(rank: int, world: int, port: int, config: EngineConfig, threads: int, conn) -> None:
     """A spawned rank: join rank 0's store, load the shard, serve steps; report a traceback if anything fails."""
     watch_parent(os.getppid(), "minivllm-tp-watchdog")
+    name_process(f"mvllm-tp-rank{rank}")
     try:
         torch.set_num_threads(threads)
         conn.send(("hello", os.getpid()))
@@ -297,6 +298,16 @@ def worker_main(rank: int, world: int, port: int, config: EngineConfig, threads:
         sys.exit(1)
     finally:
         conn.close()
+
+
+def name_process(name: str) -> None:
+    """Give this process a name ``ps`` and ``/proc/PID/comm`` show (Linux; at most 15 characters), else nothing."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 def watch_parent(parent: int, name: str) -> None:
