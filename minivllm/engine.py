@@ -352,11 +352,12 @@ class LLMEngine:
         text = request.texts[seq.index]
         new = seq.output_token_ids[-1:] if seq.status is not SequenceStatus.FINISHED_ERROR else []
         stop = text.add(new) if new else None
-        if stop is not None and not seq.is_finished:
+        if stop is not None:
             seq.stop_reason = stop
-            self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
-        elif stop is not None:
-            seq.stop_reason = stop
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_STOPPED)
+            elif seq.status is SequenceStatus.FINISHED_LENGTH:  # the last allowed token completed it: "stop" (vLLM)
+                seq.status = SequenceStatus.FINISHED_STOPPED
         if seq.is_finished:
             text.finish(seq.output_token_ids)
         return new
