@@ -20,7 +20,7 @@ from minivllm.config import DTYPE_CHOICES, PREEMPTION_MODES, SCHEDULING_POLICIES
 from minivllm.engine import LLMEngine, make_engine
 from minivllm.sampling_params import SamplingParams
 from minivllm.serving.api import OpenAIServing
-from minivllm.serving.app import build_app
+from minivllm.serving.app import DEFAULT_MAX_REQUEST_BYTES, build_app
 from minivllm.serving.async_llm import AsyncLLM
 from minivllm.serving.metrics import ServerMetrics
 
@@ -71,6 +71,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-size", type=int, default=None, metavar="N",
                         help="at most N requests wait beyond the --max-num-seqs that run; more get 429 at once "
                              "(default: no limit)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                        help="a request body larger than this gets 413 before it is parsed (default: %(default)s, "
+                             "4 MiB)")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
                         help="on SIGTERM, how long requests in flight may run before they are aborted "
                              "(default: %(default)s)")
@@ -96,6 +99,8 @@ def engine_config(args, parser: argparse.ArgumentParser) -> EngineConfig:
         parser.error(f"argument --port: must be an integer in [1, 65535], got {args.port}")
     if args.max_queue_size is not None and args.max_queue_size < 0:
         parser.error(f"argument --max-queue-size: must be an integer >= 0, got {args.max_queue_size}")
+    if args.max_request_bytes < 1:
+        parser.error(f"argument --max-request-bytes: must be an integer >= 1, got {args.max_request_bytes}")
     if not args.shutdown_grace >= 0 or args.shutdown_grace == float("inf"):
         parser.error(f"argument --shutdown-grace: must be a finite number >= 0, got {args.shutdown_grace}")
     options = {f.name: getattr(args, f"engine_{f.name}") for f in fields(EngineConfig)}
@@ -135,7 +140,7 @@ def serve_main(args, parser: argparse.ArgumentParser) -> int:
     metrics = ServerMetrics(name)
     async_llm = AsyncLLM(lambda: warm_up(make_engine(config)), args.max_queue_size, metrics)  # built in its thread
     engine = async_llm.engine
-    app = build_app(OpenAIServing(async_llm, name), metrics)
+    app = build_app(OpenAIServing(async_llm, name), metrics, args.max_request_bytes)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=int(args.shutdown_grace) + 5), async_llm,
                             args.shutdown_grace)
