@@ -23,25 +23,44 @@ from minivllm.bench import (WORKLOADS, check_workload_sizes, format_results, mak
 from minivllm.bench.cli import (add_min_max, block_size_int, check_token_budget, device_name, nonneg_finite_float,
                                 nonneg_int, positive_finite_float, positive_int, probability, server_url, top_k_int,
                                 writable_file)
-from minivllm.bench.online import BACKENDS, run_online
+from minivllm.bench.online import BACKENDS, run_online, served_model
 from minivllm.config import cdiv, default_device
 from minivllm.models import load_model, load_tokenizer, model_folder
-from minivllm.serving.cli import add_serve_arguments, serve_main
+from minivllm.serving.cli import add_serve_arguments, check_model, serve_main
+from minivllm.serving.protocol import param_of
 from minivllm.simple_generation import chat_prompt_ids
 
 
+GENERATE_FLAGS = {"max_tokens": "--max-tokens", "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+                  "temperature": "--temperature", "tensor_parallel_size": "--tensor-parallel-size", "prompt": "prompt"}
+
+
+def _refuse(parser, error: ValueError) -> None:
+    """An engine's ``ValueError`` as a usage error naming the flag of the field it names (``param_of``)."""
+    parser.error(f"argument {GENERATE_FLAGS.get(param_of(str(error), {}), '--model')}: {error}")
+
+
 def _generate(args, parser) -> int:
+    """Check what needs no model (the sampling flags, the model's config), load it, check the rest, stream."""
+    if args.raw and not args.prompt:
+        parser.error("argument prompt: must not be empty with --raw (there is no chat template to fill it)")
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed)
+    except ValueError as e:
+        _refuse(parser, e)
+    check_model(parser, args.model)
     try:
         llm = LLM(args.model, device=args.device, tensor_parallel_size=args.tensor_parallel_size)
     except ValueError as e:
-        if not str(e).startswith("tensor_parallel_size"):
-            raise
-        parser.error(f"argument --tensor-parallel-size: {e}")
+        _refuse(parser, e)
     with llm:  # stops the tensor-parallel workers, if any (chapter 15)
         tokenizer = llm.get_tokenizer()
         prompt = args.prompt if args.raw else chat_prompt_ids(tokenizer, args.prompt, args.system)
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed)
+        try:  # what only the model knows: --max-tokens against its context, --top-k against its vocabulary
+            llm.engine.validate_request("generate", prompt, params)
+        except ValueError as e:
+            _refuse(parser, e)
         for text in llm.stream(prompt, params):
             print(text, end="", flush=True)
         print()
@@ -58,11 +77,11 @@ def _slo(args) -> dict | None:
     return {k: v / 1e3 for k, v in (("ttft", args.slo_ttft), ("tpot", args.slo_tpot)) if v is not None} or None
 
 
-def _bench_server(args, workload, tokenizer) -> int:
+def _bench_server(args, workload, tokenizer, model: str) -> int:
     """The workload through a running server's OpenAI API (chapter 13)."""
     print(f"workload {workload.name}: {workload.description}; greedy, exact output lengths, seed {args.seed}")
-    print(f"server {args.server} ({args.backend}), streaming /v1/completions", flush=True)
-    run = run_online(args.server, workload, tokenizer, backend=args.backend)
+    print(f"server {args.server} ({args.backend}, {model}), streaming /v1/completions", flush=True)
+    run = run_online(args.server, workload, tokenizer, backend=args.backend, model=model)
     failed = [e for e in run.errors if e]
     metrics = run.metrics(_slo(args))
     print()
@@ -175,10 +194,17 @@ def _bench(args, parser) -> int:
     """``bench``: a workload through minivllm (or a server), the baselines, the roofline (chapters 11 and 12)."""
     device = torch.device(args.device) if args.device else default_device()
     sizes = {k: getattr(args, k) for k in SIZE_FLAGS if getattr(args, k) is not None}
+    if args.server:  # before any work: is a server there?
+        try:
+            model = served_model(args.server)
+        except ConnectionError as e:
+            print(f"python -m minivllm bench: error: {e}", file=sys.stderr)
+            return 1
+    check_model(parser, args.model)
     tokenizer = load_tokenizer(args.model)
     workload = make_workload(args.workload, tokenizer, seed=args.seed, **sizes)
     if args.server:
-        return _bench_server(args, workload, tokenizer)
+        return _bench_server(args, workload, tokenizer, model)
     if args.kv_offload_blocks and not args.prefix_caching:
         parser.error("argument --kv-offload-blocks: needs --prefix-caching (the tier extends the prefix cache)")
     max_num_seqs = args.max_num_seqs or max(16, len(workload.arrivals))  # run_engine's default

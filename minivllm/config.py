@@ -130,6 +130,9 @@ class EngineConfig:
         check(isinstance(self.model, str) and self.model != "", "model", "a non-empty string", self.model)
         check(is_int(self.block_size) and 1 <= self.block_size <= 1024, "block_size", "an integer in [1, 1024]", self.block_size)
         check(self.num_blocks is None or (is_int(self.num_blocks) and self.num_blocks >= 1), "num_blocks", "None or an integer >= 1", self.num_blocks)
+        check(self.num_blocks is None or self.num_blocks * self.block_size >= 2, "num_blocks",
+              f"at least {cdiv(2, self.block_size)} with block_size {self.block_size} (the smallest request, one "
+              f"prompt token and one generated, needs 2 tokens of KV)", self.num_blocks)
         check(is_number(self.kv_cache_memory_fraction) and 0 < self.kv_cache_memory_fraction <= 1, "kv_cache_memory_fraction", "in (0, 1]", self.kv_cache_memory_fraction)
         if self.max_num_seqs is None:
             budget = self.max_num_batched_tokens

@@ -55,3 +55,10 @@ def run_engine(llm: LLM, requests, check=True, all_samples=False):
 
 def greedy(max_tokens, **kw):
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def stop_completed_by_last_token(before: str, after: str) -> str:
+    """The shortest stop string that ``after`` (the text one token longer than ``before``) holds first at its very
+    end and ``before`` does not hold: the last token completes it."""
+    return next(s for m in range(1, len(after) + 1)
+                if after.find(s := after[-m:]) == len(after) - m and s not in before)

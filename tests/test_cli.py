@@ -6,6 +6,7 @@ preemption]`` (chapters 07-11), and the same checks one level down, in :func:`mi
 
 import importlib
 import math
+import os
 
 import pytest
 
@@ -96,6 +97,10 @@ MAIN_CASES = [  # (argv, the flag the message names, words of the allowed range)
     (["generate", "Hi", "--model", "tiny-random", "--device", "tpu"], "--device", "available here"),
     (["bench", "--workload", "offline", "--device", "tpu"], "--device", "available here"),
     (["generate", "Hi", "--model", "tiny-random", "--seed", "-1"], "--seed", ">= 0"),
+    (["generate", "Hi", "--model", "tiny-random", "--seed", "99999999999999999999"], "--seed", "2**63 - 1"),
+    (["generate", "", "--model", "tiny-random", "--raw"], "argument prompt", "must not be empty"),
+    (["generate", "Hi", "--model", "no-such-model"], "--model", "cannot load 'no-such-model'"),
+    (BENCH[:-1] + ["no-such-model"], "--model", "cannot load 'no-such-model'"),
 ]
 
 
@@ -243,6 +248,9 @@ SERVE_CASES = [  # (argv, the flag the message names, words of the allowed range
     (["--max-queue-size", "-1"], "--max-queue-size", ">= 0"),
     (["--shutdown-grace", "-1"], "--shutdown-grace", ">= 0"),
     (["--num-blocks", "many"], "--num-blocks", "invalid int"),
+    (["--num-blocks", "1", "--block-size", "1"], "--num-blocks", "at least 2"),  # no request could ever run
+    (["--max-request-bytes", "0"], "--max-request-bytes", ">= 1"),
+    (["--model", "no-such-model"], "--model", "cannot load 'no-such-model'"),
 ]
 
 
@@ -274,3 +282,46 @@ def test_serve_help_documents_every_engine_option(capsys):
     flags += ["--" + name.replace("_", "-") for name in EngineConfig.field_names()]
     assert [f for f in flags if f not in text] == []
     assert "127.0.0.1" in text  # the default: this machine only
+
+
+# -- values only the loaded model refutes, and the server's warm-up: still usage errors, never a traceback ------
+
+def test_generate_refuses_what_only_the_model_knows_after_loading_it(capsys):
+    for argv, flag, allowed in [(["--max-tokens", "100000"], "--max-tokens", "max_model_len (16384)"),
+                                (["--top-k", "100000"], "--top-k", "[1, 49152]")]:
+        message = refused(main, ["generate", "Hi", "--model", "tiny-random", *argv], capsys)
+        assert flag in message and allowed in message, message
+
+
+def test_serve_refuses_a_context_longer_than_the_models_before_the_port_opens(capsys):
+    message = refused(main, ["serve", "--model", "tiny-random", "--max-model-len", "100000", "--port", "1"], capsys)
+    assert "--max-model-len" in message and "16384" in message, message
+
+
+@pytest.mark.parametrize("options", [dict(max_model_len=10), dict(num_blocks=1),
+                                     dict(max_num_batched_tokens=8, max_num_seqs=8),
+                                     dict(num_blocks=2, block_size=1)], ids=str)
+def test_the_servers_warm_up_fits_every_small_configuration_the_engine_accepts(options):
+    from minivllm.engine import LLMEngine
+    from minivllm.serving.cli import warm_up
+
+    engine = warm_up(LLMEngine(model="tiny-random", device="cpu", **options))  # used to refuse its own request
+    assert engine.num_steps >= 1 and not engine.has_unfinished_requests()
+    assert engine.stats().num_free_blocks == engine.num_blocks
+
+
+def test_the_command_line_reports_a_refusal_in_one_line_without_a_traceback():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "minivllm", "generate", "Hi", "--model", "tiny-random",
+                           "--max-tokens", "100000"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "error: argument --max-tokens:" in done.stderr.splitlines()[-1]
+
+
+def test_bench_against_a_server_that_is_not_there_is_one_line_and_exit_1(capsys):
+    assert main(["bench", "--workload", "online", "--model", "tiny-random", "--server", "http://127.0.0.1:1"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "python -m minivllm bench: error: cannot reach the server at http://127.0.0.1:1: [Errno 111] Connection refused"]

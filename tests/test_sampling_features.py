@@ -5,7 +5,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 
-from helpers import greedy
+from helpers import greedy, stop_completed_by_last_token
 
 
 @pytest.fixture(scope="module")
@@ -92,13 +92,6 @@ def test_stop_token_ids_report_the_stop_reason(llm):
     first = llm.generate([[1, 2, 3]], greedy(5, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
     out = llm.generate([[1, 2, 3]], greedy(5, ignore_eos=True, stop_token_ids=[first[2]]), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == first[:3] and out.outputs[0].stop_reason == first[2]
-
-
-def stop_completed_by_last_token(before: str, after: str) -> str:
-    """The shortest stop string that ``after`` (the text one token longer than ``before``) holds first at its very
-    end and ``before`` does not hold: the last token completes it."""
-    return next(s for m in range(1, len(after) + 1)
-                if after.find(s := after[-m:]) == len(after) - m and s not in before)
 
 
 def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(llm):

@@ -75,10 +75,16 @@ def check_online_workload(workload: Workload) -> None:
 
 
 def served_model(url: str, timeout: float = 10.0) -> str:
-    """The model id a server serves (its first ``/v1/models`` entry)."""
+    """The model id a server serves (its first ``/v1/models`` entry); ``ConnectionError`` saying why in one line
+    if nothing answers there or what answers is no OpenAI-compatible server."""
     import httpx  # optional: only a benchmark against a server needs an HTTP client
 
-    return httpx.get(f"{url}/v1/models", timeout=timeout).json()["data"][0]["id"]
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=timeout).json()["data"][0]["id"]
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"cannot reach the server at {url}: {e}") from None
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ConnectionError(f"{url}/v1/models lists no model: is it an OpenAI-compatible server?") from None
 
 
 async def _stream_one(client, url: str, body: dict, send_at: float) -> tuple[RequestTimes | None, str, str | None]:

@@ -2,8 +2,11 @@
 
 Each request is checked completely (body, model, sampling fields, prompt
 against the context) before it is queued, so a bad one is a 400 that touches
-nothing else. A streaming response is server-sent events; a client that goes
-away, streaming or not, aborts its request at once.
+nothing else. Tokenizing and rendering the chat template run in worker threads:
+a long prompt takes seconds, and the event loop must go on answering (``/health``,
+other requests, streams). A streaming response is server-sent events, ending
+with ``data: [DONE]`` whatever fails; a client that goes away, streaming or
+not, aborts its request at once.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from minivllm.timing import now
 __all__ = ["OpenAIServing"]
 
 log = logging.getLogger("minivllm.serving")
+CHECK_ID = "validate"  # the request id a prompt is checked under (AsyncLLM's own ids are "req-N")
 
 
 class OpenAIServing:
@@ -44,6 +48,14 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise APIError(400, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            "model", code="model_not_found")
+
+    async def checked_ids(self, prompt, params: SamplingParams, aliases: dict[str, str]) -> list[int]:
+        """The prompt's token ids, tokenized and checked against the context in a worker thread (or a 400)."""
+        try:
+            _, ids = await asyncio.to_thread(self.engine.validate_request, CHECK_ID, prompt, params)
+        except ValueError as e:
+            raise bad_request(e, aliases) from None
+        return ids
 
     def submit(self, prompt, params: SamplingParams, aliases: dict[str, str], arrival: float) -> RequestStream:
         """Queue the request, or the error the client gets: 400 (bad input), 429 (queue full), 503 (draining)."""
@@ -78,7 +90,7 @@ class OpenAIServing:
         body.check_supported()
         prompt = body.one_prompt()
         params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs, {})
-        stream = self.submit(prompt, params, {}, arrival)
+        stream = self.submit(await self.checked_ids(prompt, params, {}), params, {}, arrival)
         state = StreamState(CompletionFormat(body.logprobs), self.model_name, body.include_usage)
         return await self.respond(stream, state, body.stream, params.n, request)
 
@@ -86,12 +98,12 @@ class OpenAIServing:
         arrival = now()
         self.check_model(body.model)
         body.check_supported()
-        ids = self.chat_prompt(body.messages)
         wanted = body.wanted_tokens()
         aliases = {"prompt": "messages", "max_tokens": body.max_tokens_field, "logprobs": "top_logprobs"}
         k = body.num_logprobs()
+        ids = await asyncio.to_thread(self.chat_prompt, body.messages)
         params = body.sampling_params(self.default_max_tokens(len(ids)) if wanted is None else wanted, k, aliases)
-        stream = self.submit(ids, params, aliases, arrival)
+        stream = self.submit(await self.checked_ids(ids, params, aliases), params, aliases, arrival)
         state = StreamState(ChatFormat(k), self.model_name, body.include_usage)
         return await self.respond(stream, state, body.stream, params.n, request)
 
@@ -118,7 +130,9 @@ class OpenAIServing:
                     yield sse(state.chunk(choices))
             if state.include_usage and last is not None:
                 yield sse(state.usage_chunk(last))
-        except (RequestFailed, ServerShuttingDown) as e:
+        except Exception as e:  # the headers are gone: the client gets an error event, then [DONE]
+            if not isinstance(e, (RequestFailed, ServerShuttingDown, APIError, ValueError)):
+                log.exception("the stream of %s failed", stream.request_id)
             yield sse(stream_error(e).body())
         finally:
             stream.abort()
@@ -154,7 +168,10 @@ class OpenAIServing:
                                             "owned_by": "minivllm", "root": self.engine.config.model,
                                             "max_model_len": self.engine.max_model_len}]}
 
-    def tokenize(self, body: TokenizeRequest) -> dict:
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        return await asyncio.to_thread(self._tokenize, body)  # seconds for a long prompt: not on the event loop
+
+    def _tokenize(self, body: TokenizeRequest) -> dict:
         self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
@@ -164,7 +181,10 @@ class OpenAIServing:
             ids = list(self.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"])
         return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
 
-    def detokenize(self, body: DetokenizeRequest) -> dict:
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        return await asyncio.to_thread(self._detokenize, body)
+
+    def _detokenize(self, body: DetokenizeRequest) -> dict:
         self.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < self.engine.vocab_size]
         if bad:
@@ -173,10 +193,16 @@ class OpenAIServing:
 
 
 def stream_error(e: Exception) -> APIError:
-    """The error a request gets when the engine loop failed (500) or the server shut down (503) under it."""
+    """The error a request gets when the server shut down under it (503), for bad input (400), or when the
+    engine loop (500, why) or the server itself (500, the exception's type) failed."""
+    if isinstance(e, APIError):
+        return e
     if isinstance(e, ServerShuttingDown):
         return APIError(503, str(e), None, "service_unavailable", "shutting_down")
-    return APIError(500, str(e), None, "internal_server_error")
+    if isinstance(e, ValueError):
+        return bad_request(e, {})
+    message = str(e) if isinstance(e, RequestFailed) else f"internal error: {type(e).__name__}"
+    return APIError(500, message, None, "internal_server_error")
 
 
 async def disconnected(request: Request) -> None:

@@ -3,7 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``,
 ``GET /health``, ``POST /tokenize``, ``POST /detokenize``, ``GET /metrics``.
 A malformed body, a wrong type or an unknown field is a 400 naming the
-parameter (FastAPI's own answer would be a 422 in its own shape).
+parameter (FastAPI's own answer would be a 422 in its own shape), and so is a
+``ValueError`` from any handler. A body over ``max_request_bytes`` is a 413,
+refused before anything parses it (:class:`BodyLimit`).
 """
 
 from __future__ import annotations
@@ -19,14 +21,71 @@ from starlette.exceptions import HTTPException
 from minivllm.serving.api import OpenAIServing
 from minivllm.serving.metrics import CONTENT_TYPE, ServerMetrics
 from minivllm.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest)
+                                       TokenizeRequest, bad_request)
 
-__all__ = ["build_app", "validation_error"]
+__all__ = ["build_app", "validation_error", "BodyLimit", "DEFAULT_MAX_REQUEST_BYTES"]
 
 log = logging.getLogger("minivllm.serving")
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: a 128k-token prompt as token ids is about 1 MiB
+DRAIN_LIMIT_BYTES = 64 << 20  # an over-limit body is read (and dropped) up to this, so the client sees the 413
 
 
-def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None) -> FastAPI:
+class BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets a 413 before any handler reads or parses it.
+
+    A ``Content-Length`` over the limit is refused without keeping a byte; a
+    chunked body is counted as it comes and refused when it passes the limit.
+    Either way the rest is read and dropped (up to ``DRAIN_LIMIT_BYTES``) so
+    that a client still sending gets the 413 rather than a reset connection.
+    A body within the limit is handed on whole.
+    """
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            more = headers.get(b"expect", b"").lower() != b"100-continue"  # else the body is not even sent
+            return await self.refuse(scope, receive, send, more)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before its body was complete
+            chunks.append(message.get("body", b""))
+            size, more = size + len(chunks[-1]), message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self.refuse(scope, receive, send, more)
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            message, whole = whole, None
+            return message if message is not None else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def refuse(self, scope, receive, send, more: bool) -> None:
+        dropped = 0
+        while more and dropped < DRAIN_LIMIT_BYTES:
+            message = await receive()
+            dropped += len(message.get("body", b""))
+            more = message["type"] == "http.request" and message.get("more_body", False)
+        error = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes "
+                         f"(serve --max-request-bytes)", None, "invalid_request_error", "request_too_large")
+        await error_response(error)(scope, receive, send)
+
+
+def error_response(error: APIError, headers=None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The server's app; its lifespan stops the engine loop when the server exits."""
     @asynccontextmanager
     async def lifespan(app):
@@ -35,6 +94,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None) -> F
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.state.serving = serving
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     _add_error_handlers(app)
 
     @app.post("/v1/completions")
@@ -55,11 +115,11 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None) -> F
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
-        return serving.tokenize(body)
+        return await serving.tokenize(body)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
-        return serving.detokenize(body)
+        return await serving.detokenize(body)
 
     @app.get("/metrics")
     async def prometheus():
@@ -76,8 +136,9 @@ def _reply(result):
 
 
 def validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's validation error as a 400 naming the first bad parameter."""
-    err = exc.errors()[0]
+    """FastAPI's validation error as a 400 naming the bad parameter (of a union's branches, the one that got
+    furthest: a list of text parts with a bad part, rather than "not a string")."""
+    err = max(exc.errors(), key=lambda e: len(e.get("loc", ())))
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         return APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
@@ -88,27 +149,30 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(400, f"Unrecognized request argument supplied: {where}", loc[0])
     if err.get("type") == "missing":
         return APIError(400, f"{where} is required", loc[0])
-    return APIError(400, f"{where}: {err.get('msg')}, got {err.get('input')!r}", loc[0])
+    got = repr(err.get("input"))
+    got = got if len(got) <= 200 else f"{got[:200]}... ({len(got)} characters)"  # never echo a huge body back
+    return APIError(400, f"{where}: {err.get('msg', '').removeprefix('Value error, ')}, got {got}", loc[0])
 
 
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request, exc: APIError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def bad_body(request, exc: RequestValidationError):
-        err = validation_error(exc)
-        return JSONResponse(err.body(), status_code=err.status)
+        return error_response(validation_error(exc))
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request, exc: ValueError):  # bad input found past the checks: still a 400, never a 500
+        return error_response(bad_request(exc, {}))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(exc.status_code, str(exc.detail), None, kind).body(),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return error_response(APIError(exc.status_code, str(exc.detail), None, kind), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def internal(request, exc: Exception):
         log.exception("unexpected error in %s %s", request.method, request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {type(exc).__name__}", None,
-                                     "internal_server_error").body(), status_code=500)
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}", None, "internal_server_error"))

@@ -2,7 +2,8 @@
 
 Flags are made from the ``EngineConfig`` dataclass, so a new engine option is
 a new flag. Bad values are refused as usage errors naming the flag before any
-model loads. SIGTERM (or Ctrl-C) stops accepting requests, lets the ones in
+model loads (and a value only the loaded model refutes, such as a longer
+``--max-model-len``, before the port opens). SIGTERM (or Ctrl-C) stops accepting requests, lets the ones in
 flight finish for ``--shutdown-grace`` seconds, aborts the rest, and exits 0.
 """
 
@@ -13,18 +14,21 @@ import logging
 import signal
 import sys
 from dataclasses import MISSING, fields
+from typing import NoReturn
 
 import uvicorn
 
 from minivllm.config import DTYPE_CHOICES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
 from minivllm.engine import LLMEngine, make_engine
+from minivllm.models import load_config
 from minivllm.sampling_params import SamplingParams
 from minivllm.serving.api import OpenAIServing
-from minivllm.serving.app import build_app
+from minivllm.serving.app import DEFAULT_MAX_REQUEST_BYTES, build_app
 from minivllm.serving.async_llm import AsyncLLM
 from minivllm.serving.metrics import ServerMetrics
 
-__all__ = ["add_serve_arguments", "engine_config", "serve_main", "GracefulServer", "FIELD_HELP"]
+__all__ = ["add_serve_arguments", "engine_config", "serve_main", "GracefulServer", "FIELD_HELP", "usage_error",
+           "check_model", "warm_up"]
 
 FIELD_HELP = {
     "model": "smollm2-135m (embedded), tiny-random, a Hugging Face folder or repo id",
@@ -71,6 +75,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue-size", type=int, default=None, metavar="N",
                         help="at most N requests wait beyond the --max-num-seqs that run; more get 429 at once "
                              "(default: no limit)")
+    parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
+                        help="a request body larger than this gets 413 before it is parsed (default: %(default)s, "
+                             "4 MiB)")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
                         help="on SIGTERM, how long requests in flight may run before they are aborted "
                              "(default: %(default)s)")
@@ -96,20 +103,50 @@ def engine_config(args, parser: argparse.ArgumentParser) -> EngineConfig:
         parser.error(f"argument --port: must be an integer in [1, 65535], got {args.port}")
     if args.max_queue_size is not None and args.max_queue_size < 0:
         parser.error(f"argument --max-queue-size: must be an integer >= 0, got {args.max_queue_size}")
+    if args.max_request_bytes < 1:
+        parser.error(f"argument --max-request-bytes: must be an integer >= 1, got {args.max_request_bytes}")
     if not args.shutdown_grace >= 0 or args.shutdown_grace == float("inf"):
         parser.error(f"argument --shutdown-grace: must be a finite number >= 0, got {args.shutdown_grace}")
     options = {f.name: getattr(args, f"engine_{f.name}") for f in fields(EngineConfig)}
     try:
-        return EngineConfig(**options)
+        config = EngineConfig(**options)
     except ValueError as e:
-        field = str(e).split(" ", 1)[0]
-        parser.error(f"argument {_flag(field) if field in options else '--model'}: {e}")
+        usage_error(parser, e)
+    check_model(parser, config.model)
+    return config
+
+
+def usage_error(parser: argparse.ArgumentParser, error: ValueError) -> NoReturn:
+    """An engine's ``ValueError`` (its first word is the field) as a usage error naming the flag; exit status 2."""
+    field = str(error).split(" ", 1)[0]
+    parser.error(f"argument {_flag(field) if field in EngineConfig.field_names() else '--model'}: {error}")
+
+
+def check_model(parser: argparse.ArgumentParser, name: str) -> None:
+    """A model that cannot be found or is not supported is a usage error, before anything loads (only its
+    config is read)."""
+    try:
+        load_config(name)
+    except (OSError, ValueError) as e:
+        parser.error(f"argument --model: cannot load {name!r}: {str(e).splitlines()[0]}")
 
 
 def warm_up(engine: LLMEngine) -> LLMEngine:
-    """One short request before the port opens: the first forwards pay one-off set-up costs."""
-    engine.add_request("warm-up", list(range(100, 116)), SamplingParams(temperature=0.0, max_tokens=2,
-                                                                        ignore_eos=True))
+    """One short request before the port opens: the first forwards pay one-off set-up costs.
+
+    It is 16 prompt tokens and 2 generated, or less where the context, the KV
+    pool or (without chunked prefill) the step's token budget is smaller, so
+    every configuration the engine accepts can warm up.
+    """
+    c = engine.config
+    room = min(18, engine.max_model_len, engine.num_blocks * c.block_size)
+    if room < 2:
+        raise ValueError(f"num_blocks must hold at least 2 tokens (one prompt token and one generated); the pool "
+                         f"sized from kv_cache_memory_fraction has {engine.num_blocks} of {c.block_size}")
+    max_tokens = 2 if room > 2 else 1
+    prompt_len = room - max_tokens if c.enable_chunked_prefill else min(room - max_tokens, c.max_num_batched_tokens)
+    engine.add_request("warm-up", list(range(100, 100 + prompt_len)),
+                       SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     while engine.has_unfinished_requests():
         engine.step()
     return engine
@@ -133,9 +170,12 @@ def serve_main(args, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or config.model
     metrics = ServerMetrics(name)
-    async_llm = AsyncLLM(lambda: warm_up(make_engine(config)), args.max_queue_size, metrics)  # built in its thread
+    try:  # built in the loop's thread; what the engine refuses of the model (a longer --max-model-len) is usage
+        async_llm = AsyncLLM(lambda: warm_up(make_engine(config)), args.max_queue_size, metrics)
+    except ValueError as e:
+        usage_error(parser, e)
     engine = async_llm.engine
-    app = build_app(OpenAIServing(async_llm, name), metrics)
+    app = build_app(OpenAIServing(async_llm, name), metrics, args.max_request_bytes)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=int(args.shutdown_grace) + 5), async_llm,
                             args.shutdown_grace)

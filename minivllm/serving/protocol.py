@@ -5,19 +5,25 @@ a conversion) and unknown fields are refused, as OpenAI's API does. OpenAI's
 fields map onto vLLM's ``SamplingParams``; vLLM's extensions (``top_k``,
 ``stop_token_ids``, ``ignore_eos``, ``include_stop_str_in_output``) are accepted
 too. Fields the engine cannot honour are accepted only at their neutral value.
-Every refusal is an :class:`APIError` naming the parameter.
+Every refusal is an :class:`APIError` naming the parameter. Text must be valid
+Unicode (JSON can spell a lone UTF-16 surrogate, ``"\\ud800"``, that no tokenizer
+or UTF-8 encoder takes), and a chat holds at most ``MAX_CHAT_MESSAGES`` messages.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from minivllm.sampling_params import SamplingParams
 
 __all__ = ["APIError", "CompletionRequest", "ChatCompletionRequest", "ChatMessage", "TokenizeRequest",
-           "DetokenizeRequest", "param_of", "bad_request"]
+           "DetokenizeRequest", "param_of", "bad_request", "MAX_CHAT_MESSAGES"]
+
+MAX_CHAT_MESSAGES = 2048  # more is a 400: validating and rendering them is work done before any other check
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -25,6 +31,7 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, type: str = "invalid_request_error",
                  code: str | None = None):
+        message = message.encode("utf-8", "backslashreplace").decode()  # a lone surrogate cannot go out as UTF-8
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
@@ -52,8 +59,26 @@ def bad_request(error: ValueError, aliases: dict[str, str]) -> APIError:
     return APIError(400, message, param)
 
 
+def has_surrogate(value) -> bool:
+    """Whether ``value`` (text, or lists and dicts of it) holds a lone UTF-16 surrogate; lists of numbers are skipped."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, list):
+        return bool(value) and isinstance(value[0], (str, list, dict)) and any(map(has_surrogate, value))
+    if isinstance(value, dict):
+        return any(map(has_surrogate, value)) or any(map(has_surrogate, value.values()))
+    return False
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @field_validator("*")
+    @classmethod
+    def _unicode_text(cls, value):
+        if has_surrogate(value):
+            raise ValueError("must be valid Unicode text, but it holds a lone UTF-16 surrogate (\\ud800-\\udfff)")
+        return value
 
 
 class StreamOptions(_Strict):
@@ -152,7 +177,7 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: messages rendered with the model's chat template."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -183,7 +208,7 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_CHAT_MESSAGES)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
