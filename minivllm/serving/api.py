@@ -38,10 +38,14 @@ class OpenAIServing:
 
     def __init__(self, async_llm: AsyncLLM, model_name: str):
         self.llm = async_llm
-        self.engine = async_llm.engine
         self.tokenizer = self.engine.tokenizer
         self.model_name = model_name
         self.created = int(time.time())
+
+    @property
+    def engine(self):
+        """The engine the loop runs now (AsyncLLM builds a new one after a tensor-parallel rank dies)."""
+        return self.llm.engine
 
     # -- checks ----------------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> None:

@@ -185,7 +185,7 @@ def serve_main(args, parser: argparse.ArgumentParser) -> int:
         signal.signal(sig, _drained)
     server.run()
     async_llm.close()
-    engine.shutdown()  # worker processes (tensor parallel, disaggregated), if any
+    async_llm.engine.shutdown()  # worker processes (tensor parallel, disaggregated), if any (idempotent)
     return 0
 
 
