@@ -16,6 +16,7 @@ from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
 from minivllm.exercises.continuous_batching import check_scheduler
 from minivllm.exercises.live import chat_prompts, check_live, drive, greedy, load_part
 from minivllm.exercises.kv_cache_memory import check_kv_bytes_per_token, check_paged_waste
+from minivllm.exercises.kv_offload import check_offload_tier
 from minivllm.exercises.paged_attention import check_paged_attention
 from minivllm.exercises.preemption import check_preemption
 from minivllm.exercises.prefill_decode import check_generate_cached
@@ -35,4 +36,5 @@ __all__ = [
     "check_chunked_prefill",  # 09 chunked prefill
     "check_preemption",  # 10 preemption
     "check_request_latencies", "reference_request_latencies", "check_goodput",  # 11 measuring an engine
+    "check_offload_tier",  # 14 KV offload
 ]
