@@ -115,7 +115,8 @@ class LLMEngine:
         args = (self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
                 resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
         if self.workers is None:  # compile_attention: decode attention read in place, compiled (chapter 12)
-            self.runner = ModelRunner(*args, compile_attention=config.compile_attention, **tier)
+            self.runner = ModelRunner(*args, compile_attention=config.compile_attention, **tier,
+                                      graph_runner_cls=resolve(config.graph_runner_cls))
         else:
             self.runner = TensorParallelRunner(self.workers, *args)
         if config.use_cuda_graphs and self.workers is None:  # decode steps replay CUDA graphs (chapter 12)

@@ -22,6 +22,7 @@ from minivllm.exercises.preemption import check_preemption
 from minivllm.exercises.prefill_decode import check_generate_cached
 from minivllm.exercises.prefix_caching import check_prefix_cache
 from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
+from minivllm.exercises.where_time_goes import check_graph_runner
 
 __all__ = [
     "load_part", "check_live", "drive", "chat_prompts", "greedy",  # the live engine with the reader's parts
@@ -36,5 +37,6 @@ __all__ = [
     "check_chunked_prefill",  # 09 chunked prefill
     "check_preemption",  # 10 preemption
     "check_request_latencies", "reference_request_latencies", "check_goodput",  # 11 measuring an engine
+    "check_graph_runner",  # 12 where the time goes
     "check_offload_tier",  # 14 KV offload
 ]
