@@ -86,7 +86,7 @@ class OffloadTier:
         return True
 
     def drop(self, h: int, count: bool = True) -> None:
-        """Forget entry ``h``: its slot back to the free list, its pin gone, counted as dropped unless ``count`` is False."""
+        """Forget entry ``h``: its slot freed, its pin gone; counted as dropped unless ``count`` is False."""
         self.free_slots.append(self.entries.pop(h).slot)
         self.pinned.discard(h)
         self.num_dropped += count

@@ -72,13 +72,13 @@ def _check_in_place(runner, ptrs: dict, what: str) -> None:
 
 def _check_real_rows(runner, inputs: StepInputs, what: str) -> None:
     n = len(inputs.query_lens)
-    given = {"input_ids": inputs.token_ids, "positions": inputs.positions, "slot_mapping": inputs.slot_mapping,
-             "context_lens": inputs.context_lens}
-    for name, want in given.items():
-        got = getattr(runner, name)[:n].tolist()
+    given = {"input_ids": "token_ids", "positions": "positions", "slot_mapping": "slot_mapping",
+             "context_lens": "context_lens"}  # buffer: the field of StepInputs it holds
+    for name, field in given.items():
+        got, want = getattr(runner, name)[:n].tolist(), getattr(inputs, field)
         if got != want:
             _fail(what, f"self.{name}[:{n}] is {got}, expected {want}",
-                  f"row i is the step's i-th sequence: self.{name}[i] = inputs.{name if name != 'input_ids' else 'token_ids'}[i]")
+                  f"row i is the step's i-th sequence: self.{name}[i] = inputs.{field}[i]")
     for i, table in enumerate(inputs.block_tables):
         got = runner.block_tables[i, :len(table)].tolist()
         if got != table:
