@@ -57,7 +57,8 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 num_cpu_blocks: int = 0, watermark: float = 0.0, num_offload_blocks: int = 0):
+                 num_cpu_blocks: int = 0, watermark: float = 0.0, num_offload_blocks: int = 0,
+                 tier_cls: type = OffloadTier):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -73,7 +74,7 @@ class BlockManager:
         self.free_cpu_blocks: deque[int] = deque(range(num_cpu_blocks))  # the swap space (chapter 10)
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
-        self.tier = OffloadTier(num_offload_blocks) if num_offload_blocks else None  # chapter 14
+        self.tier = tier_cls(num_offload_blocks) if num_offload_blocks else None  # chapter 14
         self.offloads: list[tuple[int, int]] = []  # (device block, tier slot) copies not yet handed to the runner
         self.restores: list[tuple[int, int]] = []  # (tier slot, device block) copies, likewise
 

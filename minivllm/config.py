@@ -58,8 +58,10 @@ class EngineConfig:
 
     Extension points (as vLLM's ``scheduler_cls``): ``scheduler_cls``,
     ``block_manager_cls``, ``attention_backend`` (the paged KV cache class),
-    ``sampler`` and ``detokenizer`` (the incremental detokenizer class) take a
-    class or its dotted name. The
+    ``sampler``, ``detokenizer`` (the incremental detokenizer class),
+    ``offload_tier_cls`` (the CPU tier's bookkeeping, chapter 14) and
+    ``graph_runner_cls`` (the static buffers of decode steps replayed as CUDA
+    graphs, chapter 12) take a class or its dotted name. The
     defaults are minivllm's own, built through the same code path; the
     exercises plug a reader's part in here.
 
@@ -125,6 +127,8 @@ class EngineConfig:
     attention_backend: type | str = "minivllm.attention.PagedKVCache"
     sampler: type | str = "minivllm.sampler.Sampler"
     detokenizer: type | str = "minivllm.detokenizer.IncrementalDetokenizer"
+    offload_tier_cls: type | str = "minivllm.kv_tier.OffloadTier"
+    graph_runner_cls: type | str = "minivllm.cuda_graphs.DecodeGraphRunner"
 
     def __post_init__(self):
         check(isinstance(self.model, str) and self.model != "", "model", "a non-empty string", self.model)
@@ -163,7 +167,8 @@ class EngineConfig:
         self._check_tensor_parallel_devices()
         self._check_kv_offload()
         self._check_disaggregated()
-        for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer"):
+        for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer",
+                     "offload_tier_cls", "graph_runner_cls"):
             resolve(getattr(self, name), name)
 
     def _check_disaggregated(self) -> None:

@@ -109,17 +109,25 @@ class LLMEngine:
         tier = {"num_offload_blocks": config.kv_offload_blocks} if config.kv_offload_blocks else {}  # chapter 14
         self.block_manager = resolve(config.block_manager_cls)(
             self.num_blocks, config.block_size, config.enable_prefix_caching, self.num_cpu_blocks,
-            config.admission_watermark, **tier)
+            config.admission_watermark, **self._tier_options(config))
         self.scheduler = resolve(config.scheduler_cls)(config, self.block_manager, self.max_model_len,
                                                        self._eos_token_ids(), self.kv_bytes_per_block)
         args = (self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
                 resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
         if self.workers is None:  # compile_attention: decode attention read in place, compiled (chapter 12)
-            self.runner = ModelRunner(*args, compile_attention=config.compile_attention, **tier)
+            self.runner = ModelRunner(*args, compile_attention=config.compile_attention, **tier,
+                                      graph_runner_cls=resolve(config.graph_runner_cls))
         else:
             self.runner = TensorParallelRunner(self.workers, *args)
         if config.use_cuda_graphs and self.workers is None:  # decode steps replay CUDA graphs (chapter 12)
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
+
+    @staticmethod
+    def _tier_options(config: EngineConfig) -> dict:
+        """The block manager's CPU offload tier (chapter 14): its size and class, or nothing without one."""
+        if not config.kv_offload_blocks:
+            return {}
+        return {"num_offload_blocks": config.kv_offload_blocks, "tier_cls": resolve(config.offload_tier_cls)}
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (chapter 15); idempotent, a no-op with one process.

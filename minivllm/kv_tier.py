@@ -53,7 +53,7 @@ class OffloadTier:
             self.entries.move_to_end(h)
             return None
         if h in self.entries and h not in self.pinned:  # a collision: the newer prefix takes the hash
-            self._drop(h)
+            self.drop(h)
         if h in self.entries or not (self.free_slots or self._drop_lru()):
             self.num_dropped += 1  # nowhere to keep it: its KV is lost
             return None
@@ -76,16 +76,17 @@ class OffloadTier:
     def discard_slots(self, slots: set[int]) -> None:
         """Forget entries whose offload copy never ran (an interrupted step): their slots hold no KV."""
         for h in [h for h, e in self.entries.items() if e.slot in slots]:
-            self._drop(h, count=False)
+            self.drop(h, count=False)
 
     def _drop_lru(self) -> bool:
         h = next((h for h in self.entries if h not in self.pinned), None)
         if h is None:
             return False
-        self._drop(h)
+        self.drop(h)
         return True
 
-    def _drop(self, h: int, count: bool = True) -> None:
+    def drop(self, h: int, count: bool = True) -> None:
+        """Forget entry ``h``: its slot freed, its pin gone; counted as dropped unless ``count`` is False."""
         self.free_slots.append(self.entries.pop(h).slot)
         self.pinned.discard(h)
         self.num_dropped += count

@@ -50,8 +50,10 @@ class ModelRunner:
     """Owns the model, the KV pools (``kv_cache_cls``, the attention backend) and the sampler."""
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 kv_cache_cls=PagedKVCache, sampler=None, num_offload_blocks: int = 0, compile_attention: bool = False):
+                 kv_cache_cls=PagedKVCache, sampler=None, num_offload_blocks: int = 0, compile_attention: bool = False,
+                 graph_runner_cls=DecodeGraphRunner):
         self.model = model
+        self.graph_runner_cls = graph_runner_cls  # an extension point (exercise 12): what enable_decode_graphs builds
         self.device = model.lm_head.weight.device
         self.block_size = block_size
         extra = {"num_offload_blocks": num_offload_blocks} if num_offload_blocks else {}  # chapter 14's CPU tier
@@ -72,8 +74,8 @@ class ModelRunner:
         """
         if not getattr(type(self.kv_cache).forward, "skips_padding_slots", False):
             return False
-        self.graph_runner = DecodeGraphRunner(self.model, self.kv_cache, self.block_size, max_num_seqs, max_model_len,
-                                              self.num_queries_per_kv, capture)
+        self.graph_runner = self.graph_runner_cls(self.model, self.kv_cache, self.block_size, max_num_seqs,
+                                                  max_model_len, self.num_queries_per_kv, capture)
         return True
 
     def copy_blocks(self, out: SchedulerOutput) -> None:

@@ -175,6 +175,30 @@ def test_graph_runner_replay_gives_the_unpadded_engines_tokens():
     assert graphs.num_eager == len(seen) and graphs.num_replays == 0
 
 
+class CountingGraphRunner(DecodeGraphRunner):
+    loads = 0
+
+    def load(self, inputs):
+        type(self).loads += 1
+        return super().load(inputs)
+
+
+def test_graph_runner_cls_plugs_in_a_subclass_by_class_or_name():
+    """The graph runner is an extension point (exercise 12): enable_decode_graphs builds the class it is given."""
+    plain, _ = _engine_pair()
+    reference = run_engine(plain, _varying_batches(4))
+    kw = dict(block_size=4, num_blocks=200, max_num_seqs=8, device="cpu")
+    for cls, built in ((CountingGraphRunner, CountingGraphRunner),
+                       ("minivllm.cuda_graphs.DecodeGraphRunner", DecodeGraphRunner)):
+        llm = LLM("tiny-random", graph_runner_cls=cls, **kw)
+        assert llm.engine.runner.enable_decode_graphs(8, llm.engine.max_model_len, capture=False)
+        assert type(llm.engine.runner.graph_runner) is built
+        assert run_engine(llm, _varying_batches(4)) == reference
+    assert CountingGraphRunner.loads > 0
+    with pytest.raises(ValueError, match="graph_runner_cls"):
+        LLM("tiny-random", graph_runner_cls="minivllm.cuda_graphs.NoSuchRunner", **kw)
+
+
 def test_padded_rows_are_never_sampled_and_buffers_stay_in_place():
     _, llm = _engine_pair()
     runner = llm.engine.runner

@@ -150,6 +150,30 @@ def test_interrupted_step_forgets_unwritten_offloads():
     bm.check_invariants([b])
 
 
+class CountingTier(OffloadTier):
+    restores = 0
+
+    def restore(self, h):
+        type(self).restores += 1
+        return super().restore(h)
+
+
+def test_offload_tier_cls_plugs_in_a_subclass_by_class_or_name():
+    """The tier is an extension point (exercise 14): the engine builds the class it is given, same tokens."""
+    kw = dict(block_size=16, num_blocks=12, enable_prefix_caching=True, kv_offload_blocks=64, max_num_seqs=1)
+    prompts = [list(range(1000 * k, 1000 * k + 16 * 5 + 3)) for k in range(1, 4)]  # the pool holds two of them
+    requests = two_rounds(prompts, greedy(2, ignore_eos=True))
+    reference, _ = run_all(LLM("tiny-random", **kw), requests)
+    plugged = LLM("tiny-random", offload_tier_cls=CountingTier, **kw)
+    assert type(plugged.engine.block_manager.tier) is CountingTier
+    outs, stats = run_all(plugged, requests)
+    assert outs == reference and CountingTier.restores == stats.num_restored_blocks > 0
+    by_name = LLM("tiny-random", offload_tier_cls="minivllm.kv_tier.OffloadTier", **kw)
+    assert run_all(by_name, requests)[0] == reference
+    with pytest.raises(ValueError, match="offload_tier_cls"):
+        EngineConfig(model="tiny-random", offload_tier_cls="minivllm.kv_tier.NoSuchTier")
+
+
 def test_bad_offload_config_is_refused():
     with pytest.raises(ValueError, match="kv_offload_blocks"):
         EngineConfig(model="tiny-random", kv_offload_blocks=-1)

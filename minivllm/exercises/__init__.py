@@ -16,11 +16,13 @@ from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
 from minivllm.exercises.continuous_batching import check_scheduler
 from minivllm.exercises.live import chat_prompts, check_live, drive, greedy, load_part
 from minivllm.exercises.kv_cache_memory import check_kv_bytes_per_token, check_paged_waste
+from minivllm.exercises.kv_offload import check_offload_tier
 from minivllm.exercises.paged_attention import check_paged_attention
 from minivllm.exercises.preemption import check_preemption
 from minivllm.exercises.prefill_decode import check_generate_cached
 from minivllm.exercises.prefix_caching import check_prefix_cache
 from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
+from minivllm.exercises.where_time_goes import check_graph_runner
 
 __all__ = [
     "load_part", "check_live", "drive", "chat_prompts", "greedy",  # the live engine with the reader's parts
@@ -35,4 +37,6 @@ __all__ = [
     "check_chunked_prefill",  # 09 chunked prefill
     "check_preemption",  # 10 preemption
     "check_request_latencies", "reference_request_latencies", "check_goodput",  # 11 measuring an engine
+    "check_graph_runner",  # 12 where the time goes
+    "check_offload_tier",  # 14 KV offload
 ]

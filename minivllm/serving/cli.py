@@ -57,6 +57,8 @@ FIELD_HELP = {
     "attention_backend": "paged KV cache class, as a dotted name",
     "sampler": "sampler class, as a dotted name",
     "detokenizer": "incremental detokenizer class, as a dotted name",
+    "offload_tier_cls": "CPU offload tier class (its bookkeeping), as a dotted name",
+    "graph_runner_cls": "decode CUDA graph runner class (static buffers, padding), as a dotted name",
 }
 CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": DTYPE_CHOICES}
 TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
