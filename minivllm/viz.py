@@ -512,3 +512,216 @@ def plot_request_life(outputs, ax=None, title=None):
               fontsize=7, loc="lower right")
     ax.set_title(title or "each request's life, from its own timestamps", fontsize=9)
     return ax
+
+
+# Chapter 05: a PagedBatch's groups -----------------------------------------------------------------
+
+__all__ += ["plot_paged_batch"]
+
+
+def _grid(ax, values, x0, y0, face, label=None, hatch=None):
+    """One row of cells at (x0, y0), each with its value written in; ``face``/``hatch`` are per cell."""
+    for i, v in enumerate(values):
+        ax.add_patch(plt.Rectangle((x0 + i, y0), 0.95, 0.9, facecolor=face[i], edgecolor="grey", linewidth=0.6,
+                                   hatch=None if hatch is None else hatch[i]))
+        ax.text(x0 + i + 0.47, y0 + 0.45, str(v), ha="center", va="center", fontsize=7)
+    if label:
+        ax.text(x0 - 0.3, y0 + 0.45, label, ha="right", va="center", fontsize=7)
+
+
+def plot_paged_batch(batch, query_lens, names, axes=None):
+    """A ``PagedBatch`` as pictures: the flat tokens, then per group its padded block tables,
+    ``query_index`` rows and mask (chapter 05).
+
+    Top: the step's tokens in the flat order the model sees them, coloured by
+    sequence. Then, for each group (decodes apart from prefills), one row per
+    sequence: its padded block table (hatched: padding, never read), its
+    ``query_index`` (the flat rows it gathers; hatched: padding rows, whose
+    outputs ``out_index`` drops), and beside it the group's mask, query rows
+    against key slots (dark: may attend).
+    """
+    colours = plt.get_cmap("tab10").colors
+    owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
+    groups = list(batch.groups)
+    if axes is None:
+        fig = plt.figure(figsize=(11, 1.2 + 1.9 * len(groups)))
+        grid = fig.add_gridspec(1 + len(groups), 2, width_ratios=(1.4, 1), height_ratios=[0.6] + [1.5] * len(groups))
+        axes = [fig.add_subplot(grid[0, :])] + [fig.add_subplot(grid[1 + g, c]) for g in range(len(groups))
+                                                for c in range(2)]
+    top = axes[0]
+    _grid(top, range(len(owner)), 0, 0, [colours[b % 10] for b in owner], "flat token rows")
+    top.set_xlim(-3.5, max(len(owner), 8) + 0.5)
+    top.set_ylim(-0.2, 1.1)
+    top.axis("off")
+    top.set_title("one step's PagedBatch: the flat tokens, then each group as padded rectangles", fontsize=9)
+    start = [sum(query_lens[:b]) for b in range(len(query_lens))]
+    for g, group in enumerate(groups):
+        left, right = axes[1 + 2 * g], axes[2 + 2 * g]
+        tables, qidx, valid = group.block_tables.tolist(), group.query_index.tolist(), group.valid.tolist()
+        mask = group.mask.cpu()
+        bs = mask.shape[-1] // max(len(tables[0]), 1)
+        for row, (table, q, ok) in enumerate(zip(tables, qidx, valid)):
+            b = owner[q[0]] if ok[0] else owner[start.index(q[0])] if q[0] in start else 0
+            used = [bool(mask[row, :, j * bs:(j + 1) * bs].any()) for j in range(len(table))]
+            y = 2 * (len(tables) - 1 - row)
+            c = colours[b % 10]
+            _grid(left, table, 0, y + 1, [c if u else "white" for u in used], f"{names[b]}: block table",
+                  [None if u else "///" for u in used])
+            _grid(left, q, 0, y, [c if v else "white" for v in ok], "query_index", [None if v else "///" for v in ok])
+        width = max(len(tables[0]), len(qidx[0]))
+        left.set_xlim(-4.5, width + 0.5)
+        left.set_ylim(-0.3, 2 * len(tables) + 0.1)
+        left.axis("off")
+        kind = "decodes" if mask.shape[1] == 1 else "prefills and chunks"
+        left.set_title(f"group {g} ({kind}): {len(tables)} rows, tables padded to {len(tables[0])} blocks",
+                       fontsize=8)
+        right.imshow(mask.reshape(-1, mask.shape[-1]).numpy(), cmap="Greys", aspect="auto", interpolation="nearest")
+        for row in range(1, len(tables)):
+            right.axhline(row * mask.shape[1] - 0.5, color=colours[3], linewidth=1)
+        right.set_xlabel("key slot of the padded row (block j holds keys j*block_size ...)", fontsize=7)
+        right.set_ylabel("query rows, row after row", fontsize=7)
+        right.set_title(f"group {g} mask {tuple(mask.shape)}: dark = may attend", fontsize=8)
+        right.tick_params(labelsize=6)
+    plt.tight_layout()
+    return axes
+
+
+# Chapter 13: the server's threads and queues --------------------------------------------------------
+
+__all__ += ["plot_serving_paths"]
+
+
+def plot_serving_paths(ax=None):
+    """The event loop, the engine's loop thread and the per-request queues, with one request's path (chapter 13)."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 4.4))
+    red = "#c0392b"
+    ax.add_patch(plt.Rectangle((0.1, 0.1), 4.6, 3.6, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
+    ax.text(2.4, 3.5, "event loop thread (uvicorn + FastAPI)", ha="center", fontsize=8, color="#555555")
+    ax.add_patch(plt.Rectangle((5.6, 0.1), 4.9, 3.6, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
+    ax.text(8.05, 3.5, "engine loop thread (AsyncLLM._run)", ha="center", fontsize=8, color="#555555")
+    for k, y in enumerate((2.6, 1.7, 0.8)):
+        _box(ax, (1.2, y), f"handler, request {k}", "#f5e6d3" if k else "#fbd3a5", width=1.8, height=0.6)
+        _box(ax, (3.6, y), f"asyncio.Queue {k}", "#dff0d8" if k else "#b9e0a5", width=1.7, height=0.6)
+        _arrow(ax, (2.75, y), (2.1, y), None, color="#2c7a2c")
+    _box(ax, (6.5, 2.6), "inbox\n(new, aborts)", "#dce9f5", width=1.3, height=0.7)
+    _box(ax, (8.6, 2.6), "LLMEngine.step()\nschedule, forward,\nsample, detokenize", "#dce9f5", width=2.1,
+         height=1.0)
+    _box(ax, (8.6, 0.9), "_route: each output\nto its request's queue", "#dce9f5", width=2.1, height=0.8)
+    _arrow(ax, (7.15, 2.6), (7.55, 2.6))
+    _arrow(ax, (8.6, 2.1), (8.6, 1.3))
+    _arrow(ax, (9.65, 0.9), (9.65, 2.1), "next step", color="#888888", rad=0.6, text_dy=0.0)
+    # one request's path, numbered
+    ax.plot([1.2, 1.2, 6.5], [2.9, 3.15, 3.15], color=red, lw=1)
+    _arrow(ax, (6.5, 3.15), (6.5, 2.95), color=red)
+    ax.text(3.85, 3.2, "1 add_request: validate, put in the inbox", ha="center", fontsize=7, color=red)
+    ax.text(8.6, 3.2, "2 the request joins the batch", ha="center", fontsize=7, color=red)
+    _arrow(ax, (7.55, 0.75), (4.45, 2.45), color=red)
+    ax.text(8.05, 0.22, "3 call_soon_threadsafe(queue.put_nowait, output)", ha="center", fontsize=7, color=red)
+    ax.text(2.4, 0.2, "4 the handler awaits its queue, sends each delta as an\n"
+            "SSE chunk; if the client leaves, it aborts the request", ha="center", fontsize=7, color=red)
+    ax.set_xlim(0, 10.6)
+    ax.set_ylim(-0.15, 3.8)
+    ax.axis("off")
+    ax.set_title("AsyncLLM: the engine never runs on the event loop; each request reads only its own queue",
+                 fontsize=9)
+    return ax
+
+
+# Chapter 14: the device pool, the tier and one step's copies ---------------------------------------
+
+__all__ += ["plot_offload_step"]
+
+
+def plot_offload_step(offload, restore, num_blocks: int, num_tier_blocks: int, ax=None, title=None):
+    """One step's copies between the device pool and the host tier, in the order the runner makes them (chapter 14).
+
+    ``offload`` lists (device block, tier slot) pairs, ``restore`` (tier slot,
+    device block) pairs, as in ``SchedulerOutput``. Offloads go first (1), since
+    their device blocks are someone's new blocks in this very step; then the
+    restores (2); then the forward (3) reads and writes the pool.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 3.4))
+    dev_x = {b: 0.5 + b * (10.0 / max(num_blocks, 1)) for b in range(num_blocks)}
+    tier_x = {s: 0.5 + s * (10.0 / max(num_tier_blocks, 1)) for s in range(num_tier_blocks)}
+    dw, tw = 9.0 / max(num_blocks, 1), 9.0 / max(num_tier_blocks, 1)
+    out_dev, out_tier = {d for d, _ in offload}, {t for _, t in offload}
+    in_dev, in_tier = {d for _, d in restore}, {t for t, _ in restore}
+    for b, x in dev_x.items():
+        face = "#f4a582" if b in out_dev else "#92c5de" if b in in_dev else "#eeeeee"
+        ax.add_patch(plt.Rectangle((x, 2.4), dw, 0.6, facecolor=face, edgecolor="grey"))
+        ax.text(x + dw / 2, 2.7, str(b), ha="center", va="center", fontsize=7)
+    for s, x in tier_x.items():
+        face = "#f4a582" if s in out_tier else "#92c5de" if s in in_tier else "#eeeeee"
+        ax.add_patch(plt.Rectangle((x, 0.4), tw, 0.6, facecolor=face, edgecolor="grey"))
+        ax.text(x + tw / 2, 0.7, str(s), ha="center", va="center", fontsize=6)
+    ax.text(0.4, 2.7, "device pool\n(blocks)", ha="right", va="center", fontsize=8)
+    ax.text(0.4, 0.7, "host tier\n(slots)", ha="right", va="center", fontsize=8)
+    for d, t in offload:
+        _arrow(ax, (dev_x[d] + dw / 2, 2.4), (tier_x[t] + tw / 2, 1.0), color="#b2182b")
+    for t, d in restore:
+        _arrow(ax, (tier_x[t] + tw / 2, 1.0), (dev_x[d] + dw / 2, 2.4), color="#2166ac")
+    ax.text(10.7, 2.1, f"1 offloads ({len(offload)}): evicted blocks' KV\n   out, before anything writes them",
+            fontsize=7, color="#b2182b", va="center")
+    ax.text(10.7, 1.5, f"2 restores ({len(restore)}): tier hits\n   back into fresh device blocks", fontsize=7,
+            color="#2166ac", va="center")
+    ax.text(10.7, 0.9, "3 the forward: reads and\n   writes the pool", fontsize=7, va="center")
+    ax.set_xlim(-1.2, 13.4)
+    ax.set_ylim(0.2, 3.4)
+    ax.axis("off")
+    ax.set_title(title or "one step's copies between the device pool and the tier", fontsize=9)
+    return ax
+
+
+# Chapter 15: column- and row-parallel linears --------------------------------------------------------
+
+__all__ += ["plot_tp_split"]
+
+
+def _matrix(ax, x, y, w, h, parts=1, axis=None, colours=None, label=None, alpha=1.0):
+    """A matrix as a rectangle, cut into ``parts`` slices along columns (``axis=1``) or rows (``axis=0``)."""
+    for p in range(parts):
+        if axis == 1:
+            box = (x + p * w / parts, y, w / parts, h)
+        elif axis == 0:
+            box = (x, y + h - (p + 1) * h / parts, w, h / parts)
+        else:
+            box = (x, y, w, h)
+        face = "#dddddd" if colours is None else colours[p % len(colours)]
+        ax.add_patch(plt.Rectangle(box[:2], *box[2:], facecolor=face, edgecolor="#333333", linewidth=0.8,
+                                   alpha=alpha))
+    if label:
+        ax.text(x + w / 2, y - 0.25, label, ha="center", va="top", fontsize=7)
+
+
+def plot_tp_split(tp: int = 3, ax=None):
+    """``X -> column-parallel W1 -> H -> row-parallel W2 -> partial Y per rank -> all-reduce -> Y`` (chapter 15).
+
+    Colours are ranks. Rank ``r`` holds the ``r``-th column slice of ``W1^T``
+    (so it computes the ``r``-th slice of ``H``, no communication) and the
+    ``r``-th row slice of ``W2^T`` (which multiplies exactly that slice of
+    ``H``); its product is a full-width partial ``Y``, and the all-reduce sums
+    the ``tp`` partials.
+    """
+    if ax is None:
+        _, ax = plt.subplots(figsize=(11, 3.8))
+    colours = plt.get_cmap("tab10").colors[:tp]
+    _matrix(ax, 0.2, 1.2, 0.8, 1.6, label="X\n[tokens, K]\nevery rank")
+    ax.text(1.25, 2.0, "@", fontsize=12, ha="center", va="center")
+    _matrix(ax, 1.5, 0.9, 1.6, 2.2, tp, 1, colours, "W1^T [K, N]\ncolumn-parallel:\nrank r holds N/tp columns")
+    ax.text(3.35, 2.0, "=", fontsize=12, ha="center", va="center")
+    _matrix(ax, 3.6, 1.2, 1.6, 1.6, tp, 1, colours, "H [tokens, N]\nrank r has its slice\n(no communication)")
+    ax.text(5.45, 2.0, "@", fontsize=12, ha="center", va="center")
+    _matrix(ax, 5.7, 0.9, 1.2, 2.2, tp, 0, colours, "W2^T [N, K]\nrow-parallel:\nrank r holds N/tp rows")
+    ax.text(7.15, 2.0, "=", fontsize=12, ha="center", va="center")
+    for r in range(tp):
+        _matrix(ax, 7.4 + 0.18 * r, 1.5 - 0.18 * r, 0.8, 1.6, colours=[colours[r]], alpha=0.85)
+    ax.text(7.95, 0.75, f"{tp} partial Y,\none per rank,\nfull width", ha="center", va="top", fontsize=7)
+    _arrow(ax, (8.75, 2.0), (9.35, 2.0), "all-reduce\n(sum)", text_dy=0.25)
+    _matrix(ax, 9.5, 1.2, 0.8, 1.6, label="Y [tokens, K]\non every rank")
+    ax.set_xlim(0, 10.6)
+    ax.set_ylim(0, 3.4)
+    ax.axis("off")
+    ax.set_title(f"column then row over {tp} ranks (colour = rank): one all-reduce for the pair", fontsize=9)
+    return ax

@@ -1,0 +1,74 @@
+"""The chapters' drawing functions draw what they are given (chapters 05, 13, 14, 15): light checks of their artists."""
+
+import math
+
+import matplotlib
+import pytest
+import torch
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
+from matplotlib.text import Annotation  # noqa: E402
+
+from minivllm.attention import PagedBatch  # noqa: E402
+from minivllm.viz import plot_offload_step, plot_paged_batch, plot_serving_paths, plot_tp_split  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def _arrows(ax):
+    return [t for t in ax.texts if isinstance(t, Annotation) and t.arrow_patch is not None]
+
+
+def _rectangles(ax):
+    return [p for p in ax.patches if isinstance(p, Rectangle)]
+
+
+def test_offload_step_draws_every_block_slot_and_copy():
+    offload, restore = [(3, 5), (4, 6), (9, 0)], [(1, 7)]
+    ax = plot_offload_step(offload, restore, num_blocks=12, num_tier_blocks=24)
+    assert len(_rectangles(ax)) == 12 + 24
+    assert len(_arrows(ax)) == len(offload) + len(restore)
+    shown = " ".join(t.get_text() for t in ax.texts)
+    assert "1 offloads (3)" in shown and "2 restores (1)" in shown
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4])
+def test_tp_split_draws_one_slice_per_rank_and_one_all_reduce(tp):
+    ax = plot_tp_split(tp)
+    assert len(_rectangles(ax)) == 1 + tp + tp + tp + tp + 1  # X, W1 slices, H slices, W2 slices, partials, Y
+    (reduce,) = _arrows(ax)
+    assert "all-reduce" in " ".join(t.get_text() for t in ax.texts)
+
+
+def test_serving_paths_names_the_queues_and_numbers_one_request_path():
+    ax = plot_serving_paths()
+    shown = [t.get_text() for t in ax.texts]
+    assert sum(s.startswith("asyncio.Queue") for s in shown) == 3
+    assert [s[0] for s in shown if s[:1].isdigit()] == ["1", "2", "3", "4"]
+
+
+def test_paged_batch_draws_the_flat_tokens_and_each_group():
+    query_lens, context_lens, bs = [1, 1, 7, 5], [9, 17, 7, 13], 4
+    tables, free = [], iter(range(16))
+    for c in context_lens:
+        tables.append([next(free) for _ in range(math.ceil(c / bs))])
+    batch = PagedBatch(tables, context_lens, query_lens, bs, torch.device("cpu"), 3)
+    axes = plot_paged_batch(batch, query_lens, ["A", "B", "C", "D"])
+    assert len(axes) == 1 + 2 * len(batch.groups)
+    assert len(_rectangles(axes[0])) == batch.num_tokens
+    for g, group in enumerate(batch.groups):
+        left, right = axes[1 + 2 * g], axes[2 + 2 * g]
+        rows, width = group.block_tables.shape
+        assert len(_rectangles(left)) == rows * (width + group.query_index.shape[1])
+        hatched = [p for p in _rectangles(left) if p.get_hatch()]
+        padding = (~group.valid).sum().item() + sum(
+            not group.mask[r, :, j * bs:(j + 1) * bs].any() for r in range(rows) for j in range(width))
+        assert len(hatched) == padding
+        (image,) = right.get_images()
+        assert image.get_array().shape == (rows * group.mask.shape[1], group.mask.shape[2])
