@@ -88,6 +88,8 @@ class EngineConfig:
     ``tensor_parallel_size`` splits every layer over that many worker
     processes (chapter 15): it must divide the model's query and KV heads,
     which the engine checks against the checkpoint before anything starts.
+    A collective that waits more than ``collective_timeout`` seconds for a
+    rank (a stopped or stuck process) fails the step with ``WorkerError``.
 
     ``disaggregated`` runs prefill and decode in two worker processes behind
     a front (chapter 16, ``LLM(..., disaggregated=True)``); the prefill
@@ -118,6 +120,7 @@ class EngineConfig:
     seed: int = 0
     pack_weights: bool = True
     tensor_parallel_size: int = 1
+    collective_timeout: float = 60.0
     enforce_eager: bool = False
     compile_attention: bool = False
     disaggregated: bool = False
@@ -176,6 +179,8 @@ class EngineConfig:
         check(isinstance(self.disaggregated, bool), "disaggregated", "True or False", self.disaggregated)
         check(is_number(self.kv_transfer_timeout) and self.kv_transfer_timeout > 0, "kv_transfer_timeout",
               "a number of seconds > 0", self.kv_transfer_timeout)
+        check(is_number(self.collective_timeout) and self.collective_timeout > 0, "collective_timeout",
+              "a number of seconds > 0", self.collective_timeout)
         check(not self.disaggregated or self.tensor_parallel_size == 1, "tensor_parallel_size",
               "1 with disaggregated=True (each worker runs one process)", self.tensor_parallel_size)
 

@@ -18,6 +18,7 @@ The per-step cost is measured in chapter 15.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -80,13 +81,14 @@ def decode(header: torch.Tensor, payload: torch.Tensor) -> StepMessage:
     return StepMessage(op, inputs, _pairs(take(2 * copies)), _pairs(take(2 * swap_out)), _pairs(take(2 * swap_in)))
 
 
-def send(msg: StepMessage, group) -> float:
-    """Rank 0: broadcast ``msg`` to every rank of ``group``; returns the seconds it took."""
+def send(msg: StepMessage, group, timeout: datetime.timedelta | None = None) -> float:
+    """Rank 0: broadcast ``msg`` to every rank of ``group`` (each part waits at most ``timeout`` for a rank that
+    is not receiving: gloo sends only once the receiver is there); returns the seconds it took."""
     start = time.perf_counter()
     header, payload = encode(msg)
-    dist.broadcast(header, src=0, group=group)
-    if payload.numel():
-        dist.broadcast(payload, src=0, group=group)
+    for part in (header, payload) if payload.numel() else (header,):
+        work = dist.broadcast(part, src=0, group=group, async_op=True)
+        work.wait() if timeout is None else work.wait(timeout)
     return time.perf_counter() - start
 
 

@@ -15,9 +15,10 @@ The forward's collectives use gloo on the CPU and NCCL on CUDA; the step
 broadcasts use a second, gloo group of CPU tensors, on which an idle worker
 may wait for as long as rank 0 lives.
 
-No wait of rank 0 is unbounded: the rendezvous and every collective time out
-after :data:`TIMEOUT`. A worker that dies closes its sockets, so rank 0's next
-collective fails at once; rank 0 then names the rank and its exit code (and
+No wait of rank 0 is unbounded: the rendezvous times out after
+:data:`TIMEOUT`, every collective of the forward after the config's
+``collective_timeout`` (a rank that is stopped or stuck). A worker that dies
+closes its sockets, so rank 0's next collective fails at once; rank 0 then names the rank and its exit code (and
 its traceback, when it had one) in a :class:`WorkerError`, kills the other
 workers and closes its groups. Workers also leave when rank 0's process is
 gone (a watchdog thread), so nothing is left behind.
@@ -81,20 +82,26 @@ def _device(config: EngineConfig, local_rank: int) -> torch.device:
     return torch.device(f"cuda:{local_rank}") if config.torch_device.type == "cuda" else torch.device("cpu")
 
 
+def _collective_timeout(config: EngineConfig) -> datetime.timedelta:
+    return datetime.timedelta(seconds=config.collective_timeout)
+
+
 def _threads(world: int) -> int:
     """CPU threads per rank: the cores shared out, so ``tp`` processes do not oversubscribe them."""
     return max(1, len(os.sched_getaffinity(0)) // world)
 
 
-def _join(rank: int, world: int, device: torch.device, store=None) -> tuple[TensorParallelGroup, object]:
-    """Join the forward's group (gloo or NCCL) and the step-broadcast group (gloo, idle-tolerant)."""
+def _join(rank: int, world: int, device: torch.device, store=None,
+          timeout: datetime.timedelta = TIMEOUT) -> tuple[TensorParallelGroup, object]:
+    """Join the forward's group (gloo or NCCL; a collective waits at most ``timeout`` for a rank) and the
+    step-broadcast group (gloo, idle-tolerant)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     init = {"store": store} if store is not None else {"init_method": "env://"}
     # Spawned ranks share this machine: their gloo sockets bind to loopback (torchrun's follow its own settings).
     with loopback_gloo() if store is not None else contextlib.nullcontext():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=TIMEOUT, **init)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **init)
         control = dist.new_group(backend="gloo", timeout=IDLE)
     return TensorParallelGroup(rank, world), control
 
@@ -118,20 +125,21 @@ class Workers:
     pipes: dict = field(default_factory=dict)  # rank -> the read end of the worker's report pipe
     threads_before: int = 0  # rank 0's torch threads before the engine shared the cores out
     store: object = None  # the TCPStore rank 0 hosts (spawned workers), kept alive with the groups
+    timeout: datetime.timedelta = TIMEOUT  # the longest a step's broadcast or collective waits for a rank
     error: str | None = None
     closed: bool = False
 
     def send(self, msg: protocol.StepMessage) -> None:
-        seconds = protocol.send(msg, self.control)
+        seconds = protocol.send(msg, self.control, self.timeout)
         self.tp.comm_seconds += seconds
         self.tp.broadcast_seconds += seconds
 
     def start_pools(self, num_blocks: int, num_cpu_blocks: int, own: dict) -> list[dict]:
         """Tell the workers the pool sizes; gather every rank's memory report (rank order)."""
         dist.broadcast(torch.tensor([num_blocks, num_cpu_blocks]), src=0, group=self.control)
-        mine = torch.tensor([own["sharded"], own["replicated"], own["kv"]], device=self.device)
+        mine = torch.tensor([own["sharded"], own["replicated"], own["kv"]])
         parts = [torch.empty_like(mine) for _ in range(self.tp.size)]
-        dist.gather(mine, parts, dst=0)
+        dist.gather(mine, parts, dst=0, group=self.control)  # the control group: a rank may still be loading
         return [dict(zip(("sharded", "replicated", "kv"), p.tolist())) for p in parts]
 
     def guard(self, fn):
@@ -230,11 +238,11 @@ def start_workers(config: EngineConfig) -> Workers:
     if rank is None:
         return _spawn(config, world)
     device = _device(config, int(os.environ.get("LOCAL_RANK", rank)))
-    tp, control = _join(rank, world, device)
+    tp, control = _join(rank, world, device, timeout=_collective_timeout(config))
     if rank != 0:
         serve(config, tp, control, device)
         raise SystemExit(0)
-    return Workers(tp, control, device)
+    return Workers(tp, control, device, timeout=_collective_timeout(config))
 
 
 def _spawn(config: EngineConfig, world: int) -> Workers:
@@ -242,7 +250,8 @@ def _spawn(config: EngineConfig, world: int) -> Workers:
     store = loopback_store(world, TIMEOUT)
     ctx = mp.get_context("spawn")
     threads = _threads(world) if config.torch_device.type == "cpu" else torch.get_num_threads()
-    handle = Workers(TensorParallelGroup(0, world), None, _device(config, 0), threads_before=torch.get_num_threads())
+    handle = Workers(TensorParallelGroup(0, world), None, _device(config, 0), threads_before=torch.get_num_threads(),
+                     timeout=_collective_timeout(config))
     try:
         for rank in range(1, world):
             read, write = ctx.Pipe(duplex=False)
@@ -253,7 +262,7 @@ def _spawn(config: EngineConfig, world: int) -> Workers:
             handle.processes[rank], handle.pipes[rank] = p, read
         _wait_for_hellos(handle)
         torch.set_num_threads(threads)
-        handle.tp, handle.control = _join(0, world, handle.device, store)
+        handle.tp, handle.control = _join(0, world, handle.device, store, _collective_timeout(config))
         handle.store = store
     except BaseException:
         handle.shutdown(graceful=False)
@@ -287,7 +296,7 @@ def worker_main(rank: int, world: int, port: int, config: EngineConfig, threads:
         conn.send(("hello", os.getpid()))
         store = dist.TCPStore(LOOPBACK, port, world, is_master=False, timeout=TIMEOUT)
         device = _device(config, rank)
-        tp, control = _join(rank, world, device, store)
+        tp, control = _join(rank, world, device, store, _collective_timeout(config))
         serve(config, tp, control, device)
     except BaseException:
         print(f"minivllm tensor-parallel worker rank {rank}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
@@ -328,7 +337,7 @@ def serve(config: EngineConfig, tp: TensorParallelGroup, control, device: torch.
     dist.broadcast(sizes, src=0, group=control)
     runner = ModelRunner(model, int(sizes[0]), config.block_size, int(sizes[1]), resolve(config.attention_backend))
     report = memory_report(runner)
-    dist.gather(torch.tensor([report["sharded"], report["replicated"], report["kv"]], device=device), None, dst=0)
+    dist.gather(torch.tensor([report["sharded"], report["replicated"], report["kv"]]), None, dst=0, group=control)
     while True:
         msg = protocol.receive(control)
         if msg.op == protocol.SHUTDOWN:

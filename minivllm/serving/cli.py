@@ -31,6 +31,8 @@ __all__ = ["add_serve_arguments", "engine_config", "serve_main", "GracefulServer
            "check_model", "warm_up"]
 
 FIELD_HELP = {
+    "collective_timeout": "seconds a tensor-parallel collective waits for a stopped or stuck rank before the step "
+                          "fails and the server rebuilds the engine (default: 60.0)",
     "model": "smollm2-135m (embedded), tiny-random, a Hugging Face folder or repo id",
     "block_size": "tokens per KV block",
     "num_blocks": "KV blocks in the pool (default: sized from --kv-cache-memory-fraction)",
