@@ -1,11 +1,14 @@
 """Generate exercises/NN_topic.ipynb from solutions/NN_topic.ipynb.
 
 In a solution notebook the reader's part sits between ``# BEGIN SOLUTION`` and
-``# END SOLUTION`` lines. Each such region becomes ``raise NotImplementedError``
-at the marker's indentation. Cells tagged ``check`` (the ones that call the
-reader's code) and cells whose region is at the top level would then raise,
-so they get the ``raises-exception`` tag that nbval and Jupyter Book honour.
-Cells tagged ``answer`` (the answers to "To think about") are left out.
+``# END SOLUTION`` lines. Each such region becomes
+``raise NotImplementedError("not written yet: Class.method")`` at the marker's
+indentation, naming the function around it. Cells tagged ``check`` (the ones
+that call the reader's code) and cells whose region is at the top level would
+then raise, so they get the ``raises-exception`` tag that nbval and Jupyter
+Book honour; ``exercises/conftest.py`` reports such a cell as skipped, with
+the part's name, instead of passed. Cells tagged ``answer`` (the answers to
+"To think about") are left out.
 
     python exercises/generate.py          # rewrite exercises/
     python exercises/generate.py --check  # exit 1 if exercises/ is out of date
@@ -16,17 +19,36 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import re
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
-STUB = 'raise NotImplementedError("exercise: write this part")'
+NOT_WRITTEN = "not written yet"  # minivllm.exercises.progress looks for it too
+STUB = 'raise NotImplementedError("' + NOT_WRITTEN + ': {}")'
 ANSWER = "answer"  # the tag of cells that only the solution notebook keeps
 BANNER = (
-    "> **Exercise notebook.** Fill in every `raise NotImplementedError`, then run the "
-    "check cells; the worked solution is in `solutions/` of the repository."
+    "> **Exercise notebook.** Fill in every `raise NotImplementedError(\"not written yet: ...\")`, then run the "
+    "check cells; the worked solution is in `solutions/` of the repository. "
+    "`python -m minivllm.exercises status`, run in this folder, lists every part of your engine: written or "
+    "not, and whether its check passes."
 )
+
+
+def part_name(lines: list[str], indent: str) -> str:
+    """The function around a region at ``indent``, as ``Class.method``: the nearest ``def``/``class`` lines above."""
+    names, depth = [], len(indent)
+    for line in reversed(lines):
+        m = re.match(r"(\s*)(?:async\s+)?(?:def|class)\s+(\w+)", line)
+        if m and len(m.group(1)) < depth:
+            names.append(m.group(2))
+            depth = len(m.group(1))
+    return ".".join(reversed(names)) or "this cell"
+
+
+def is_stub(line: str) -> bool:
+    return line.strip().startswith(STUB.split("{")[0])
 
 
 def strip_solutions(source: str) -> tuple[str, bool, bool]:
@@ -38,7 +60,7 @@ def strip_solutions(source: str) -> tuple[str, bool, bool]:
             if inside:
                 raise ValueError(f"nested {BEGIN!r}")
             indent = line[: len(line) - len(line.lstrip())]
-            out.append(indent + STUB)
+            out.append(indent + STUB.format(part_name(out, indent)))
             inside, found, top = True, True, top or indent == ""
         elif stripped.startswith(END):
             if not inside:
@@ -95,7 +117,7 @@ def fill_stubs(exercise: dict, solution: dict) -> dict:
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             lines = "".join(cell["source"]).split("\n")
-            cell["source"] = "\n".join(next(regions) if line.strip() == STUB else line for line in lines)
+            cell["source"] = "\n".join(next(regions) if is_stub(line) else line for line in lines)
     return nb
 
 

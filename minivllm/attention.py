@@ -384,6 +384,9 @@ class PagedKVCache:
     Each layer's pool has one scratch slot after its last block: a slot
     mapping of -1 (a CUDA graph's padding row, chapter 12) writes there, and
     no block table reaches it, so padding rows write nowhere that is read.
+    ``k_slots`` and ``v_slots`` are the pools as flat slots with the scratch
+    slot last, so ``k_slots[layer][slot_mapping] = k`` sends -1 there too
+    (how exercise 05's backend writes).
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

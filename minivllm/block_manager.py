@@ -116,10 +116,9 @@ class BlockManager:
         for block in cached_blocks:
             self.claim(block)
         seq.block_table.extend(cached_blocks)
-        slots = [self.tier.restore(h) for h in restored]  # pinned first: this admission's evictions keep them
-        for _ in range(need):
+        seq.block_table.extend(self.take_restored_blocks(restored))
+        for _ in range(need - len(restored)):
             seq.block_table.append(self.take_free_block())
-        self.restores.extend(zip(slots, seq.block_table[len(cached_blocks):]))
         return True
 
     def claim(self, block: int) -> None:
@@ -138,6 +137,13 @@ class BlockManager:
             self._unregister(block)
         self.blocks[block].ref_count = 1
         return block
+
+    def take_restored_blocks(self, restored: list[int]) -> list[int]:
+        """Fresh blocks for tier entries ``restored`` (chapter 14), their KV's copies back queued for the step."""
+        slots = [self.tier.restore(h) for h in restored]  # pinned first: the evictions below keep them
+        blocks = [self.take_free_block() for _ in slots]
+        self.restores.extend(zip(slots, blocks))
+        return blocks
 
     def free(self, seq: Sequence) -> None:
         """Release ``seq``'s blocks (finish, abort or preemption). Shared blocks just lose a reference."""

@@ -3,9 +3,14 @@
 import importlib.util
 import json
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from minivllm.exercises._common import NOT_WRITTEN
 
 ROOT = Path(__file__).resolve().parent.parent
 spec = importlib.util.spec_from_file_location("generate", ROOT / "exercises" / "generate.py")
@@ -39,9 +44,19 @@ def test_exercises_hide_the_solutions(path):
 def test_strip_solutions_keeps_indentation_and_tags_top_level():
     src = "def f(x):\n    # BEGIN SOLUTION\n    return x + 1\n    # END SOLUTION\n"
     out, found, top = generate.strip_solutions(src)
-    assert out == f"def f(x):\n    {generate.STUB}\n" and found and not top
+    assert out == f"def f(x):\n    {generate.STUB.format('f')}\n" and found and not top
     out, found, top = generate.strip_solutions("# BEGIN SOLUTION\ny = 2\n# END SOLUTION")
-    assert out == generate.STUB and top
+    assert out == generate.STUB.format("this cell") and top
+
+
+def test_a_stub_names_its_part():
+    src = ("class My(Base):\n    def a(self):\n        # BEGIN SOLUTION\n        return 1\n        # END SOLUTION\n\n"
+           "    def b(self):\n        x = 1\n        # BEGIN SOLUTION\n        return x\n        # END SOLUTION\n"
+           "def g():\n    # BEGIN SOLUTION\n    pass\n    # END SOLUTION\n")
+    out, _, _ = generate.strip_solutions(src)
+    assert [line.strip() for line in out.split("\n") if generate.is_stub(line)] == [
+        f'raise NotImplementedError("not written yet: {name}")' for name in ("My.a", "My.b", "g")]
+    assert generate.NOT_WRITTEN == NOT_WRITTEN  # what the capstone and the status command look for
 
 
 @pytest.mark.parametrize("src", ["# BEGIN SOLUTION\nx", "x\n# END SOLUTION", "# BEGIN SOLUTION\n# BEGIN SOLUTION\n"])
@@ -118,3 +133,17 @@ def test_chapters_point_to_the_exercise_before_showing_its_answer(path):
         if shown:
             assert i > link, f"{chapter.name} cell {i} shows {shown} before linking to the exercise"
             assert "hide-input" in cell["metadata"].get("tags", []), f"{chapter.name} cell {i}: collapse it"
+
+
+def test_an_unfilled_exercise_reads_as_skipped_not_passed(tmp_path):
+    """pytest --nbval on exercise 03 as generated: each cell that stops at a stub is skipped, naming the part."""
+    for name in ("03_kv_cache_memory.ipynb", "conftest.py"):
+        shutil.copy(ROOT / "exercises" / name, tmp_path)
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--nbval",
+                             "--nbval-current-env", "03_kv_cache_memory.ipynb"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = result.stdout.strip().split("\n")[-1]
+    assert re.search(r"\d+ passed, 4 skipped", summary), result.stdout  # the 4 cells that call a stub
+    assert result.stdout.count("not written yet: kv_bytes_per_token") == 2  # its check and the cell that uses it
+    assert result.stdout.count("not written yet: paged_waste") == 2

@@ -233,9 +233,9 @@ class ReservingBlockManager(BlockManager):
     arrive, adds to continuous batching: more requests fit at once (chapter 11).
     """
 
-    def allocate(self, seq, num_tokens, cached_blocks=(), watermark=False):
+    def allocate(self, seq, num_tokens, cached_blocks=(), watermark=False, restored=()):
         reservation = seq.num_prompt_tokens + seq.params.max_tokens
-        return super().allocate(seq, max(num_tokens, reservation), cached_blocks, watermark)
+        return super().allocate(seq, max(num_tokens, reservation), cached_blocks, watermark, restored)
 
 
 def format_results(results: list[BenchResult], reference: BenchResult | None = None, slo: dict | None = None,

@@ -134,19 +134,108 @@ def _check_watermark(cls) -> None:
     _invariants(bm, [a, b], "the watermark cases")
 
 
+def _cached(bm, seq, num_tokens: int) -> list[int]:
+    """Give ``seq`` blocks for ``num_tokens`` tokens and register them in the prefix cache (minivllm's own methods)."""
+    BlockManager.allocate(bm, seq, num_tokens)
+    seq.cached_token_count = num_tokens
+    bm.register_computed_blocks(seq)
+    return list(seq.block_table)
+
+
+def _check_cached_blocks_cost(cls) -> None:
+    bm, a, b = cls(4, 4, enable_prefix_caching=True), _seq("a", 12), _seq("b", 12)
+    shared = _cached(bm, a, 12)[:2]
+    what = f"allocate(b, 12, cached_blocks={shared}) while a holds them, with 1 free block"
+    _expect(bm.allocate(b, 12, cached_blocks=shared) is True, what,
+            "should return True: a cached block another sequence holds is shared, so claiming it costs no free "
+            "block; b needs only 1 new block")
+    _invariants(bm, [a, b], "sharing held cached blocks")
+    bm, a, b, c = cls(4, 4, enable_prefix_caching=True), _seq("a", 8), _seq("b", 4), _seq("c", 16)
+    unowned = _cached(bm, a, 8)
+    BlockManager.free(bm, a)  # a's two blocks stay cached, held by nobody (evictable), counted as free
+    BlockManager.allocate(bm, b, 4)
+    what = (f"allocate(c, 16, cached_blocks={unowned}) where nobody holds those cached blocks, with "
+            f"num_free_blocks = 3 (the 2 cached ones included) and 2 new blocks needed")
+    hint = ("claiming a cached block nobody holds takes a free block too: it is counted in num_free_blocks until "
+            "claimed, so the allocation needs 2 (cached) + 2 (new) of the 3 free blocks")
+    free_before = bm.num_free_blocks
+    try:
+        result = bm.allocate(c, 16, cached_blocks=unowned)
+    except (KeyError, IndexError) as e:  # the pool ran dry halfway (evictable.popitem on an empty dict)
+        raise AssertionError(f"{what}: allocate ran out of blocks halfway ({type(e).__name__}: {e}); {hint}") from None
+    _expect(result is False and c.block_table == [] and bm.num_free_blocks == free_before, what,
+            f"should return False and change nothing, returned {result!r}; {hint}")
+    _invariants(bm, [b, c], "a refused allocate with cached blocks nobody holds")
+
+
+def _check_free(cls) -> None:
+    bm, a = cls(8, 4, enable_prefix_caching=True), _seq("a", 12)
+    bm.allocate(a, 12)
+    a.cached_token_count = 12
+    bm.register_computed_blocks(a)
+    table = list(a.block_table)
+    bm.free(a)
+    _expect(list(bm.evictable) == table[::-1], f"free(a) of a's 3 cached blocks {table}",
+            f"release the last block first: the evictable queue (evicted from its start) is {list(bm.evictable)}, "
+            f"it should be {table[::-1]}, so a prompt's first blocks stay cached longest (a later prompt reuses a "
+            f"prefix only from block 0)")
+    _expect(a.seq_id not in bm.seq_links, "free(a) of a sequence with cached blocks",
+            "end free with self.forget(seq): it drops the sequence's prefix-cache links (and its swap space)")
+    bm, a = cls(8, 4, num_cpu_blocks=4), _seq("a", 8)
+    bm.allocate(a, 8)
+    BlockManager.swap_out(bm, a)  # preempted to the swap space (chapter 10), then aborted
+    bm.free(a)
+    _expect(len(bm.free_cpu_blocks) == 4 and a.cpu_block_table == [],
+            "free(a) of a sequence swapped out to the CPU (chapter 10)",
+            f"its {4 - len(bm.free_cpu_blocks)} CPU blocks are still taken: end free with self.forget(seq), which "
+            f"gives back the swap space and the prefix-cache links")
+    _invariants(bm, [a], "freeing a swapped-out sequence")
+
+
+def _check_restored(cls) -> None:
+    """Chapter 14's CPU tier: the scheduler passes restored (tier hashes) as allocate's fifth argument."""
+    bm, a, b = cls(4, 4, enable_prefix_caching=True, num_offload_blocks=4), _seq("a", 9), _seq("b", 16)
+    _cached(bm, a, 9)
+    BlockManager.free(bm, a)
+    BlockManager.allocate(bm, b, 16)  # evicts a's two cached blocks: their KV goes to the tier
+    BlockManager.free(bm, b)
+    bm.take_tier_copies()
+    again = _seq("a2", 9)
+    restored = bm.lookup_offloaded(again, 0)
+    what = (f"allocate(a2, 9, [], False, restored) with restored = the {len(restored)} tier entries of a2's first "
+            f"blocks (chapter 14's CPU tier)")
+    try:
+        result = bm.allocate(again, 9, [], False, restored)
+    except TypeError as e:
+        raise AssertionError(f"{what}: {e}: the scheduler passes restored as the fifth argument when the KV offload "
+                             f"tier is on: give allocate the parameter restored=()") from None
+    _, restores = bm.take_tier_copies()
+    _expect(result is True and len(again.block_table) == 3 and [b for _, b in restores] == again.block_table[:2], what,
+            f"the restored blocks are the first new blocks: take them with self.take_restored_blocks(restored) "
+            f"(it queues their KV's copy back), then the rest with self.take_free_block(); got the table "
+            f"{again.block_table} and restore copies into {[b for _, b in restores]}")
+    _invariants(bm, [again], "restoring from the tier")
+
+
 def check_block_manager(cls) -> None:
     """Check a ``BlockManager`` subclass's ``allocate``, ``free`` and ``slot_mapping`` (chapter 04).
 
     Targeted cases first (ceil division, growing a table, all or nothing,
-    shared blocks and ref counts, the watermark, the slot of every token),
-    then the live engine on SmolLM2 with the class as its block manager.
+    shared blocks and ref counts, what cached blocks cost, the watermark, the
+    order free releases and its ``forget``, chapter 14's restored blocks, the
+    slot of every token), then the live engine on SmolLM2 with the class as
+    its block manager.
     """
     _check_growth(cls)
     _check_all_or_nothing(cls)
     _check_sharing(cls)
+    _check_cached_blocks_cost(cls)
     _check_watermark(cls)
+    _check_free(cls)
+    _check_restored(cls)
     _check_slots(lambda table, start, end, bs: cls(max(table) + 1, bs).slot_mapping(_with_table(table, end), start, end))
-    print("check_block_manager: growth, all or nothing, sharing, the watermark and the slot mapping are right.")
+    print("check_block_manager: growth, all or nothing, sharing, cached blocks, the watermark, free, restored blocks "
+          "and the slot mapping are right.")
     tok = load_tokenizer("smollm2-135m")
     requests = [(f"r{i}", p, greedy(8)) for i, p in enumerate(chat_prompts(tok, 3))]
     check_live("your block manager", requests, block_size=4, num_blocks=160, max_num_seqs=4,

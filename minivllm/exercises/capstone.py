@@ -10,53 +10,21 @@ class, so the engine runs all of them at once.
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import dataclass
-
 from minivllm.config import EngineConfig, resolve
 from minivllm.engine import LLM
 from minivllm.exercises.live import PARTS_DIR, drive, greedy, load_part
+from minivllm.exercises.progress import PARTS, Part, stubs
 
-__all__ = ["Part", "PARTS", "your_parts", "your_options"]
+__all__ = ["your_parts", "your_options"]
 
-
-@dataclass(frozen=True)
-class Part:
-    """One exercise's engine part: where the notebook wrote it and which extension point takes it."""
-
-    chapter: str
-    module: str  # your_engine/<module>.py
-    name: str  # the class the notebook defines there
-    extension: str  # the EngineConfig field it plugs into
-    what: str
-
-
-PARTS = [
-    Part("04", "block_manager", "MyBlockManager", "block_manager_cls", "block manager: allocate, free, slots"),
-    Part("05", "paged_attention", "MyPagedKVCache", "attention_backend", "paged attention"),
-    Part("06", "scheduler_admission", "MyScheduler", "scheduler_cls", "scheduler: decodes first, admission"),
-    Part("07", "sampler", "MySampler", "sampler", "sampler"),
-    Part("07", "detokenizer", "MyDetokenizer", "detokenizer", "incremental detokenizer"),
-    Part("08", "prefix_caching", "MyBlockManager", "block_manager_cls", "block manager: prefix caching"),
-    Part("09", "chunked_prefill", "MyScheduler", "scheduler_cls", "scheduler: chunked prefill"),
-    Part("10", "preemption", "MyScheduler", "scheduler_cls", "scheduler: preemption"),
-]
 
 _PROBE = dict(block_size=4, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=24, enable_chunked_prefill=True,
               max_prefill_chunk_size=8, enable_prefix_caching=True)
 
 
-def _source(f) -> str:
-    try:
-        return inspect.getsource(f)
-    except (OSError, TypeError):
-        return ""
-
-
 def _probe(part: Part, cls) -> str | None:
     """Why ``cls`` cannot stand in yet (a stub, an error), or None: a short run of the tiny model with it alone."""
-    stubs = [n for n, f in vars(cls).items() if callable(f) and "exercise: write this part" in _source(f)]
-    if stubs:  # a method the probe may not reach (e.g. choose_victim without preemption) is still a stub
+    if stubs(cls):  # a method the probe may not reach (e.g. choose_victim without preemption) is still a stub
         return "not written yet"
     requests = [(f"p{i}", [7, 7, 7, 7, 7, 7, 7, 7] + list(range(10 + i, 13 + 3 * i)), greedy(6)) for i in range(4)]
     try:
@@ -69,9 +37,9 @@ def _probe(part: Part, cls) -> str | None:
 
 
 def your_parts(parts: list[Part] = PARTS) -> dict[str, list]:
-    """Every part the reader wrote that runs, by extension point; prints which chapter's part is used."""
+    """Every engine part the reader wrote that runs, by extension point; prints which chapter's part is used."""
     found: dict[str, list] = {}
-    for part in parts:
+    for part in (p for p in parts if p.extension):
         path = PARTS_DIR / f"{part.module}.py"
         problem = "missing (run exercise {} first)".format(part.chapter) if not path.exists() else None
         cls = None if problem else load_part(part.module, part.name)

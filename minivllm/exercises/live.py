@@ -28,9 +28,9 @@ TOPICS = ["the sea", "paged attention", "prime numbers", "a cat", "Paris", "rust
 _references: dict = {}  # minivllm's own outputs, per (model, options, requests): computed once a session
 
 
-def load_part(module: str, name: str):
+def load_part(module: str, name: str, parts_dir: Path = PARTS_DIR):
     """``name`` from ``your_engine/<module>.py``, loaded afresh (so an edited part is picked up)."""
-    path = PARTS_DIR / f"{module}.py"
+    path = Path(parts_dir) / f"{module}.py"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: run the %%writefile cell of that exercise first")
     spec = importlib.util.spec_from_file_location(f"your_engine_{module}", path)
@@ -39,15 +39,16 @@ def load_part(module: str, name: str):
     return getattr(loaded, name)
 
 
-def chat_prompts(tokenizer, n: int = 16, seed: int = 0) -> list[list[int]]:
-    """Chat prompts of mixed lengths: short questions, and every third one several hundred tokens of notes."""
+def chat_prompts(tokenizer, n: int = 16, seed: int = 0, note_words: tuple[int, int] = (100, 200)) -> list[list[int]]:
+    """Chat prompts of mixed lengths: short questions, and every third one notes of ``note_words`` words (by
+    default 100 to 200: several hundred tokens)."""
     rng = random.Random(seed)
     prompts = []
     for i in range(n):
         topic = TOPICS[i % len(TOPICS)]
         body = f"Tell me about {topic}."
         if i % 3 == 2:
-            notes = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(100, 200)))
+            notes = " ".join(rng.choice(TOPICS) for _ in range(rng.randint(*note_words)))
             body = f"Here are my notes on {topic}: {notes}. Summarise {topic}."
         text = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
                                              tokenize=False)

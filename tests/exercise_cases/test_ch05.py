@@ -4,7 +4,9 @@ import torch
 import torch.nn.functional as F
 
 from minivllm.attention import PagedKVCache
+from minivllm.cuda_graphs import DecodeGraphRunner
 from minivllm.exercises import check_paged_attention
+from minivllm.model_runner import StepInputs
 
 from exercise_cases import Check
 
@@ -14,9 +16,9 @@ class MyPagedKVCache(PagedKVCache):
 
     def forward(self, layer, q, k, v, positions, batch):
         kv_heads, d = k.shape[1:]
+        self.k_slots[layer][batch.slot_mapping] = k
+        self.v_slots[layer][batch.slot_mapping] = v
         k_pool, v_pool = self.k[layer], self.v[layer]
-        k_pool.view(-1, kv_heads, d)[batch.slot_mapping] = k
-        v_pool.view(-1, kv_heads, d)[batch.slot_mapping] = v
         group = q.shape[1] // kv_heads
         out = torch.empty_like(q)
         for g in batch.groups:
@@ -96,9 +98,38 @@ class WritesLayerZero(MyPagedKVCache):
 CHECKS = [Check("05", check_paged_attention, [MyPagedKVCache, ByHandSoftmax, PagedKVCache], {
     "reads before writing": (_variant(read_first=True), "read before"),
     "mask ignored": (_variant(mask=lambda m: torch.ones_like(m)), "mask was ignored"),
+    "decode groups without their mask": (_variant(mask=lambda m: torch.ones_like(m) if m.shape[1] == 1 else m),
+                                         "a decode group .* without its mask"),
     "mask flipped": (_variant(mask=lambda m: ~m), "flipped"),
     "wrong KV head (h % kv_heads)": (_variant(tiled=True), r"not h % kv_heads"),
     "padding rows kept": (_variant(keep_padding=True), "padding rows"),
     "never writes the pool": (_variant(write=False), "read before|slot_mapping"),
     "ignores the layer": (WritesLayerZero, "layer"),
 }, passes="the live engine")]
+
+
+def test_padding_rows_of_a_replayed_decode_step_write_no_real_slot(tiny):
+    """The solution's write pattern under chapter 12's padded decode (the CUDA graph runner's eager replay on the CPU).
+
+    Three decodes run as a graph of size 4: the padding row has slot -1. Only the three real slots may change in
+    the pools' real blocks (a write through ``self.k[layer].view(-1, ...)`` would put the padding row's key in the
+    last real slot), and the real rows' hidden states equal minivllm's own backend's.
+    """
+    model, _ = tiny
+    hidden = {}
+    for cls in (MyPagedKVCache, PagedKVCache):
+        cache = cls.for_model(model, 16, 4)
+        g = torch.Generator().manual_seed(0)
+        cache.k_slots.copy_(torch.randn(cache.k_slots.shape, generator=g))  # every slot holds some earlier key
+        cache.v_slots.copy_(torch.randn(cache.v_slots.shape, generator=g))
+        before = cache.k.clone(), cache.v.clone()
+        graphs = DecodeGraphRunner(model, cache, 4, 4, 64, model.config.num_attention_heads //
+                                   model.config.num_key_value_heads, capture=False)
+        step = StepInputs([7, 8, 9], [5, 6, 2], [21, 26, 34], [[1, 5], [3, 6], [8]], [6, 7, 3], [1, 1, 1],
+                          [0, 1, 2])
+        assert graphs.load(step) == 4 and graphs.slot_mapping[3].item() == -1  # one padding row
+        hidden[cls] = graphs.run(step)
+        for pool, old in zip((cache.k, cache.v), before):
+            changed = (pool != old).flatten(3).any(-1).flatten(1, 2).any(0).nonzero().flatten().tolist()
+            assert changed == [21, 26, 34], f"{cls.__name__} wrote the real slots {changed}"
+    assert torch.allclose(hidden[MyPagedKVCache], hidden[PagedKVCache], atol=1e-5)
