@@ -26,12 +26,14 @@ from minivllm.exercises.chunked_prefill import check_chunked_prefill
 from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
 from minivllm.exercises.continuous_batching import check_scheduler
 from minivllm.exercises.kv_cache_memory import check_kv_bytes_per_token, check_paged_waste
+from minivllm.exercises.kv_offload import check_offload_tier
 from minivllm.exercises.live import PARTS_DIR, load_part
 from minivllm.exercises.paged_attention import check_paged_attention
 from minivllm.exercises.preemption import check_preemption
 from minivllm.exercises.prefill_decode import check_generate_cached
 from minivllm.exercises.prefix_caching import check_prefix_cache
 from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
+from minivllm.exercises.where_time_goes import check_graph_runner
 
 __all__ = ["Part", "PARTS", "stubs", "status", "main"]
 
@@ -66,6 +68,8 @@ PARTS = [
     Part("10", "preemption", "MyScheduler", check_preemption, "scheduler: preemption", "scheduler_cls"),
     Part("11", "metrics", "request_latencies", check_request_latencies, "request latencies"),
     Part("11", "metrics", "goodput", check_goodput, "goodput"),
+    Part("12", "graph_runner", "MyGraphRunner", check_graph_runner, "CUDA-graph decode batch: the padding rule"),
+    Part("14", "offload_tier", "MyOffloadTier", check_offload_tier, "CPU offload tier of the prefix cache"),
 ]
 
 
