@@ -148,7 +148,7 @@ class Workers:
         try:
             return fn()
         except BaseException as e:
-            dead = self.dead_ranks(wait=2.0)  # a peer that died makes the collective fail first
+            dead = self.dead_ranks(wait=10.0)  # a peer that died fails the collective first, then exits
             reason = self.describe(dead) if dead else f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})"
             if isinstance(e, Exception):
                 self.fail(reason, e)
