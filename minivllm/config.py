@@ -170,6 +170,10 @@ class EngineConfig:
         self._check_tensor_parallel_devices()
         self._check_kv_offload()
         self._check_disaggregated()
+        self._check_extension_points()
+
+    def _check_extension_points(self) -> None:
+        """Every class extension point resolves to a class, ``shard_weight`` to None or a function."""
         for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer",
                      "offload_tier_cls", "graph_runner_cls"):
             resolve(getattr(self, name), name)
