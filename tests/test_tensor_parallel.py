@@ -204,7 +204,7 @@ def test_a_shard_weight_function_gives_the_loaders_own_shards():
     names = {c[0] for c in calls}
     assert "model.layers.0.self_attn.k_proj.weight" in names and {c[2:] for c in calls} == {(0, 2), (1, 2)}
     config = load_config("tiny-random-8h")
-    k_rows = config.num_key_value_heads * (getattr(config, "head_dim", None) or config.hidden_size // 8)
+    k_rows = config.num_key_value_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     assert {shape for name, shape, _, _ in calls if name.endswith("k_proj.weight")} == {(k_rows, config.hidden_size)}
 
 
