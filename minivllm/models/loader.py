@@ -212,10 +212,10 @@ def load_model_shard(name: str, tp: TensorParallelGroup, device=None, dtype=torc
     for f in sorted(glob.glob(str(model_folder(name) / "*.safetensors"))):
         with safe_open(f, framework="pt") as st:
             for key in st.keys():
-                if shard_weight is not None:
+                if shard_weight is None:
+                    weights[key] = read_slice(st.get_slice(key), *shard_slice(shell, key, st.get_slice(key).get_shape()))
+                else:
                     weights[key] = shard_weight(key, st.get_tensor(key), tp.rank, tp.size, config).contiguous()
-                    continue
-                weights[key] = read_slice(st.get_slice(key), *shard_slice(shell, key, st.get_slice(key).get_shape()))
     tied = _check_names(config, weights)
     weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if not (tied and k == "lm_head.weight")}
     return _build(config, weights, pack_weights, lambda c: ParallelLlamaForCausalLM(c, tp))
