@@ -61,7 +61,9 @@ class EngineConfig:
     ``sampler``, ``detokenizer`` (the incremental detokenizer class),
     ``offload_tier_cls`` (the CPU tier's bookkeeping, chapter 14) and
     ``graph_runner_cls`` (the static buffers of decode steps replayed as CUDA
-    graphs, chapter 12) take a class or its dotted name. The
+    graphs, chapter 12) take a class or its dotted name; ``shard_weight``
+    (rank r's shard of a checkpoint tensor, chapter 15) a function or its
+    dotted name, None for minivllm's own slicing. The
     defaults are minivllm's own, built through the same code path; the
     exercises plug a reader's part in here.
 
@@ -132,6 +134,7 @@ class EngineConfig:
     detokenizer: type | str = "minivllm.detokenizer.IncrementalDetokenizer"
     offload_tier_cls: type | str = "minivllm.kv_tier.OffloadTier"
     graph_runner_cls: type | str = "minivllm.cuda_graphs.DecodeGraphRunner"
+    shard_weight: object = None  # None: minivllm's own slicing; else a function or its dotted name (chapter 15)
 
     def __post_init__(self):
         check(isinstance(self.model, str) and self.model != "", "model", "a non-empty string", self.model)
@@ -170,9 +173,14 @@ class EngineConfig:
         self._check_tensor_parallel_devices()
         self._check_kv_offload()
         self._check_disaggregated()
+        self._check_extension_points()
+
+    def _check_extension_points(self) -> None:
+        """Every class extension point resolves to a class, ``shard_weight`` to None or a function."""
         for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer",
                      "offload_tier_cls", "graph_runner_cls"):
             resolve(getattr(self, name), name)
+        resolve_function(self.shard_weight, "shard_weight")
 
     def _check_disaggregated(self) -> None:
         """Prefill and decode in two worker processes (chapter 16): one rank each, a positive ack timeout."""
@@ -242,15 +250,29 @@ def available_devices() -> tuple[str, ...]:
     return ("cpu",) + (("cuda",) if torch.cuda.is_available() else ()) + (("mps",) if mps and mps.is_available() else ())
 
 
+def _import(obj, field: str, what: str):
+    """``obj``, or the object its dotted name (``"package.module.Name"``) names."""
+    if not isinstance(obj, str):
+        return obj
+    module, _, name = obj.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"{field} must be {what}, got {obj!r} ({e})") from None
+
+
 def resolve(obj: type | str, field: str = "class") -> type:
     """An extension point's class, given the class itself or its dotted name (``"package.module.Name"``)."""
-    if isinstance(obj, str):
-        module, _, name = obj.rpartition(".")
-        try:
-            obj = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError, ValueError) as e:
-            raise ValueError(f"{field} must be a class or an importable dotted name, got {obj!r} ({e})") from None
+    obj = _import(obj, field, "a class or an importable dotted name")
     check(isinstance(obj, type), field, "a class or an importable dotted name", obj)
+    return obj
+
+
+def resolve_function(obj, field: str):
+    """An optional function extension point: None, a function, or its dotted name (as :func:`resolve` for classes)."""
+    what = "None, a function or an importable dotted name"
+    obj = _import(obj, field, what)
+    check(obj is None or callable(obj), field, what, obj)
     return obj
 
 

@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from minivllm.attention import GATHER, PagedKVCache
-from minivllm.config import EngineConfig, check, cpu_pool_blocks, free_memory_bytes, is_int, is_number, resolve
+from minivllm.config import (EngineConfig, check, cpu_pool_blocks, free_memory_bytes, is_int, is_number, resolve,
+                             resolve_function)
 from minivllm.detokenizer import OutputText
 from minivllm.distributed import TensorParallelRunner, WorkerError, start_workers
 from minivllm.model_runner import ModelRunner
@@ -99,7 +100,8 @@ class LLMEngine:
         if self.workers is None:
             self.model, self.tokenizer = load_model(config.model, device, config.torch_dtype, config.pack_weights)
         else:
-            self.model = load_model_shard(config.model, self.workers.tp, device, config.torch_dtype, config.pack_weights)
+            self.model = load_model_shard(config.model, self.workers.tp, device, config.torch_dtype, config.pack_weights,
+                                          resolve_function(config.shard_weight, "shard_weight"))
             self.tokenizer = load_tokenizer(config.model)
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len = self._max_model_len()

@@ -177,6 +177,37 @@ def test_sizes_that_do_not_divide_the_heads_are_refused_naming_the_valid_ones():
     assert not torch.distributed.is_initialized()
 
 
+def test_shard_weight_must_be_none_or_a_function():
+    for bad in (3, "minivllm.no_such.fn", "minivllm.models.parallel.no_such_fn"):
+        with pytest.raises(ValueError, match="shard_weight must be None, a function or an importable dotted name"):
+            EngineConfig(shard_weight=bad)
+    ref = "minivllm.exercises.tensor_parallel.reference_shard_weight"
+    assert EngineConfig(shard_weight=ref).shard_weight == ref and EngineConfig().shard_weight is None
+
+
+def test_a_shard_weight_function_gives_the_loaders_own_shards():
+    """load_model_shard through shard_weight (the whole tensors, sliced by the function) = its own slicing."""
+    from minivllm.exercises.tensor_parallel import reference_shard_weight
+    from minivllm.models import TensorParallelGroup, load_config, load_model_shard
+
+    calls = []
+
+    def sharding(name, weight, rank, world, config):
+        calls.append((name, tuple(weight.shape), rank, world))
+        return reference_shard_weight(name, weight, rank, world, config)
+
+    for rank in range(2):
+        tp = TensorParallelGroup(rank, 2)
+        own = load_model_shard("tiny-random-8h", tp, "cpu", pack_weights=False).state_dict()
+        mine = load_model_shard("tiny-random-8h", tp, "cpu", pack_weights=False, shard_weight=sharding).state_dict()
+        assert own.keys() == mine.keys() and all(torch.equal(own[k], mine[k]) for k in own)
+    names = {c[0] for c in calls}
+    assert "model.layers.0.self_attn.k_proj.weight" in names and {c[2:] for c in calls} == {(0, 2), (1, 2)}
+    config = load_config("tiny-random-8h")
+    k_rows = config.num_key_value_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    assert {shape for name, shape, _, _ in calls if name.endswith("k_proj.weight")} == {(k_rows, config.hidden_size)}
+
+
 def test_more_ranks_than_gpus_is_refused(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

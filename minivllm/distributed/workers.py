@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from minivllm.config import EngineConfig, check, resolve
+from minivllm.config import EngineConfig, check, resolve, resolve_function
 from minivllm.distributed import protocol
 from minivllm.distributed.rendezvous import LOOPBACK, loopback_gloo, loopback_store
 from minivllm.model_runner import ModelRunner
@@ -332,7 +332,8 @@ def watch_parent(parent: int, name: str) -> None:
 @torch.inference_mode()
 def serve(config: EngineConfig, tp: TensorParallelGroup, control, device: torch.device) -> None:
     """A worker's life: load its shard, build its KV pool, run rank 0's steps until SHUTDOWN."""
-    model = load_model_shard(config.model, tp, device, config.torch_dtype, config.pack_weights)
+    model = load_model_shard(config.model, tp, device, config.torch_dtype, config.pack_weights,
+                             resolve_function(config.shard_weight, "shard_weight"))
     sizes = torch.empty(2, dtype=torch.long)
     dist.broadcast(sizes, src=0, group=control)
     runner = ModelRunner(model, int(sizes[0]), config.block_size, int(sizes[1]), resolve(config.attention_backend))

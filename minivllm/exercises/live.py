@@ -19,7 +19,7 @@ from pathlib import Path
 from minivllm.engine import LLM
 from minivllm.sampling_params import SamplingParams
 
-__all__ = ["PARTS_DIR", "load_part", "chat_prompts", "greedy", "drive", "check_live"]
+__all__ = ["PARTS_DIR", "load_part", "SpawnablePart", "chat_prompts", "greedy", "drive", "check_live"]
 
 PARTS_DIR = Path("your_engine")  # next to the notebooks: each exercise writes its part here
 TOPICS = ["the sea", "paged attention", "prime numbers", "a cat", "Paris", "rust and python", "the moon landing",
@@ -37,6 +37,24 @@ def load_part(module: str, name: str, parts_dir: Path = PARTS_DIR):
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
     return getattr(loaded, name)
+
+
+class SpawnablePart:
+    """``name`` of ``your_engine/<module>.py`` as a callable that pickles as its file and name.
+
+    A spawned tensor-parallel rank (chapter 15) cannot import a module loaded
+    from a path: it unpickles this and loads the reader's file itself (its
+    working directory is the notebook's, as the engine's).
+    """
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name, self.fn = module, name, load_part(module, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return SpawnablePart, (self.module, self.name)
 
 
 def chat_prompts(tokenizer, n: int = 16, seed: int = 0, note_words: tuple[int, int] = (100, 200)) -> list[list[int]]:

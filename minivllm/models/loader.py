@@ -193,13 +193,16 @@ def _check_names(config, names) -> bool:
     return tied
 
 
-def load_model_shard(name: str, tp: TensorParallelGroup, device=None, dtype=torch.float32, pack_weights: bool = True):
+def load_model_shard(name: str, tp: TensorParallelGroup, device=None, dtype=torch.float32, pack_weights: bool = True,
+                     shard_weight=None):
     """Rank ``tp.rank``'s shard of the model (chapter 15), reading only its slices of the checkpoint.
 
     Safetensors files are memory-mapped and sliced before anything is copied,
     so a rank reads about ``1/tp`` of the weights. Returns the
     :class:`~minivllm.models.parallel.ParallelLlamaForCausalLM`; its
     collectives need every rank of ``tp`` to run the same forwards.
+    ``shard_weight(name, tensor, rank, world, config)``, when given, makes
+    each rank's shard from the whole tensor instead (chapter 15's exercise).
     """
     config = load_config(name)
     device = str(torch.device(device or default_device()))
@@ -209,13 +212,16 @@ def load_model_shard(name: str, tp: TensorParallelGroup, device=None, dtype=torc
     for f in sorted(glob.glob(str(model_folder(name) / "*.safetensors"))):
         with safe_open(f, framework="pt") as st:
             for key in st.keys():
-                weights[key] = _read_slice(st.get_slice(key), *shard_slice(shell, key, st.get_slice(key).get_shape()))
+                if shard_weight is None:
+                    weights[key] = read_slice(st.get_slice(key), *shard_slice(shell, key, st.get_slice(key).get_shape()))
+                else:
+                    weights[key] = shard_weight(key, st.get_tensor(key), tp.rank, tp.size, config).contiguous()
     tied = _check_names(config, weights)
     weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if not (tied and k == "lm_head.weight")}
     return _build(config, weights, pack_weights, lambda c: ParallelLlamaForCausalLM(c, tp))
 
 
-def _read_slice(tensor_slice, dim, start, stop, padded) -> torch.Tensor:
+def read_slice(tensor_slice, dim, start, stop, padded) -> torch.Tensor:
     """Rows or columns ``[start, stop)`` of a checkpoint tensor (zero rows up to ``padded``), or all of it."""
     if dim is None:
         return tensor_slice[:]

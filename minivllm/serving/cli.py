@@ -61,6 +61,8 @@ FIELD_HELP = {
     "detokenizer": "incremental detokenizer class, as a dotted name",
     "offload_tier_cls": "CPU offload tier class (its bookkeeping), as a dotted name",
     "graph_runner_cls": "decode CUDA graph runner class (static buffers, padding), as a dotted name",
+    "shard_weight": "tensor-parallel sharding function (rank r's shard of a checkpoint tensor), as a dotted name "
+                    "(default: None, minivllm's own slicing)",
 }
 CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": DTYPE_CHOICES}
 TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
