@@ -278,7 +278,7 @@ def test_serve_help_documents_every_engine_option(capsys):
         main(["serve", "--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    flags = ["--host", "--port", "--max-queue-size", "--shutdown-grace", "--served-model-name"]
+    flags = ["--host", "--port", "--max-queue-size", "--max-request-bytes", "--shutdown-grace", "--served-model-name"]
     flags += ["--" + name.replace("_", "-") for name in EngineConfig.field_names()]
     assert [f for f in flags if f not in text] == []
     assert "127.0.0.1" in text  # the default: this machine only
@@ -323,5 +323,5 @@ def test_the_command_line_reports_a_refusal_in_one_line_without_a_traceback():
 
 def test_bench_against_a_server_that_is_not_there_is_one_line_and_exit_1(capsys):
     assert main(["bench", "--workload", "online", "--model", "tiny-random", "--server", "http://127.0.0.1:1"]) == 1
-    assert capsys.readouterr().err.splitlines() == [
-        "python -m minivllm bench: error: cannot reach the server at http://127.0.0.1:1: [Errno 111] Connection refused"]
+    assert capsys.readouterr().err.splitlines() == ["python -m minivllm bench: error: cannot reach the server at "
+                                                    "http://127.0.0.1:1: [Errno 111] Connection refused"]

@@ -2,11 +2,12 @@
 
 Each request is checked completely (body, model, sampling fields, prompt
 against the context) before it is queued, so a bad one is a 400 that touches
-nothing else. Tokenizing and rendering the chat template run in worker threads:
-a long prompt takes seconds, and the event loop must go on answering (``/health``,
-other requests, streams). A streaming response is server-sent events, ending
-with ``data: [DONE]`` whatever fails; a client that goes away, streaming or
-not, aborts its request at once.
+nothing else. A long prompt is tokenized (and its chat template rendered) in a
+worker thread: it takes seconds, and the event loop must go on answering
+(``/health``, other requests, streams); a short one, on the loop, in
+milliseconds. A streaming response is server-sent events, ending with
+``data: [DONE]`` whatever fails; a client that goes away, streaming or not,
+aborts its request at once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = ["OpenAIServing"]
 
 log = logging.getLogger("minivllm.serving")
 CHECK_ID = "validate"  # the request id a prompt is checked under (AsyncLLM's own ids are "req-N")
+INLINE_LEN = 8192  # shorter prompts (characters or ids) are tokenized on the loop: milliseconds, in arrival order
 
 
 class OpenAIServing:
@@ -53,8 +55,11 @@ class OpenAIServing:
             raise APIError(400, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            "model", code="model_not_found")
 
-    async def checked_ids(self, prompt, params: SamplingParams, aliases: dict[str, str]) -> list[int]:
-        """The prompt's token ids, tokenized and checked against the context in a worker thread (or a 400)."""
+    async def checked_ids(self, prompt, params: SamplingParams, aliases: dict[str, str]) -> str | list[int]:
+        """A short prompt as it is (``add_request`` tokenizes it at once, so requests queue in arrival order); a
+        long one's token ids, tokenized and checked against the context in a worker thread (or a 400)."""
+        if len(prompt) < INLINE_LEN:
+            return prompt
         try:
             _, ids = await asyncio.to_thread(self.engine.validate_request, CHECK_ID, prompt, params)
         except ValueError as e:
@@ -105,7 +110,8 @@ class OpenAIServing:
         wanted = body.wanted_tokens()
         aliases = {"prompt": "messages", "max_tokens": body.max_tokens_field, "logprobs": "top_logprobs"}
         k = body.num_logprobs()
-        ids = await asyncio.to_thread(self.chat_prompt, body.messages)
+        short = len(body.messages) <= 64 and sum(len(m.for_template()["content"]) for m in body.messages) < INLINE_LEN
+        ids = self.chat_prompt(body.messages) if short else await asyncio.to_thread(self.chat_prompt, body.messages)
         params = body.sampling_params(self.default_max_tokens(len(ids)) if wanted is None else wanted, k, aliases)
         stream = self.submit(await self.checked_ids(ids, params, aliases), params, aliases, arrival)
         state = StreamState(ChatFormat(k), self.model_name, body.include_usage)

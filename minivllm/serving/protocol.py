@@ -60,7 +60,7 @@ def bad_request(error: ValueError, aliases: dict[str, str]) -> APIError:
 
 
 def has_surrogate(value) -> bool:
-    """Whether ``value`` (text, or lists and dicts of it) holds a lone UTF-16 surrogate; lists of numbers are skipped."""
+    """Whether ``value`` (text, or lists and dicts of it) holds a lone UTF-16 surrogate (lists of numbers: no)."""
     if isinstance(value, str):
         return _SURROGATE.search(value) is not None
     if isinstance(value, list):
