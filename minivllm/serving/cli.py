@@ -9,6 +9,7 @@ flight finish for ``--shutdown-grace`` seconds, aborts the rest, and exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -53,9 +54,25 @@ FIELD_HELP = {
     "attention_backend": "paged KV cache class, as a dotted name",
     "sampler": "sampler class, as a dotted name",
     "detokenizer": "incremental detokenizer class, as a dotted name",
+    "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (default: None, off)',
 }
 CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": DTYPE_CHOICES}
-TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (``--speculative-config``); anything else is a usage error."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+TYPES = {"int": int, "int | None": int, "float": float, "float | None": float,
+         "SpeculativeConfig | dict | None": json_object}
 
 
 def _flag(name: str) -> str:
@@ -102,7 +119,7 @@ def engine_config(args, parser: argparse.ArgumentParser) -> EngineConfig:
     try:
         return EngineConfig(**options)
     except ValueError as e:
-        field = str(e).split(" ", 1)[0]
+        field = str(e).split(" ", 1)[0].split(".")[0]  # speculative_config.method: --speculative-config
         parser.error(f"argument {_flag(field) if field in options else '--model'}: {e}")
 
 
@@ -132,7 +149,7 @@ def serve_main(args, parser: argparse.ArgumentParser) -> int:
     config = engine_config(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or config.model
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, speculative=config.speculative_config is not None)
     async_llm = AsyncLLM(lambda: warm_up(make_engine(config)), args.max_queue_size, metrics)  # built in its thread
     engine = async_llm.engine
     app = build_app(OpenAIServing(async_llm, name), metrics)
