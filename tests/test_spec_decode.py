@@ -313,3 +313,14 @@ def test_serve_speculative_config_flag_is_json_and_bad_values_are_usage_errors(c
         assert e.value.code == 2
         err = capsys.readouterr().err
         assert "argument --speculative-config" in err and allowed in err, err
+
+
+def test_bench_workload_speculative_runs_on_tiny_random(capsys):
+    from minivllm.__main__ import main
+
+    assert main(["bench", "--workload", "speculative", "--model", "tiny-random", "--num-requests", "2",
+                 "--output-len", "3", "4", "--block-size", "4"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["repetitive"], ["open"])]
+    assert [(r[0], r[1], r[2]) for r in rows] == [(k, "2", s) for k in ("repetitive", "open") for s in ("off", "on")]
+    assert "greedy outputs identical with speculation off and on: True" in out and "target at batch 2" in out
