@@ -17,7 +17,7 @@ import sys
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.bench import (WORKLOADS, check_workload_sizes, format_results, make_workload, measure_machine,
+from minivllm.bench import (WORKLOADS, speculative_main, check_workload_sizes, format_results, make_workload, measure_machine,
                             roofline, run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
                             run_static, same_outputs, step_breakdown)
 from minivllm.bench.cli import (add_min_max, block_size_int, check_token_budget, device_name, nonneg_finite_float,
@@ -233,6 +233,17 @@ def _bench(args, parser) -> int:
     return 0
 
 
+def _speculative_argv(args) -> list[str]:
+    """``bench --workload speculative``'s flags for :func:`minivllm.bench.speculative_main`: --num-requests sets
+    one batch size, --output-len MIN MAX the output tokens (MAX)."""
+    argv = ["--model", args.model, "--seed", str(args.seed), "--block-size", str(args.block_size),
+            "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    argv += ["--device", args.device] if args.device else []
+    argv += ["--batch-sizes", str(args.num_requests)] if args.num_requests else []
+    argv += ["--output-tokens", str(args.output_len[1])] if args.output_len else []
+    return argv
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(prog="python -m minivllm", description=__doc__.split("\n\n")[0])
@@ -256,7 +267,7 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="run a benchmark workload and print the metrics",
                        description="Run a workload through minivllm (and, offline, through HF transformers) and "
                                    "print throughput, TTFT/TPOT/ITL/E2E percentiles, KV use and the roofline.")
-    b.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    b.add_argument("--workload", required=True, choices=sorted([*WORKLOADS, "speculative"]))
     b.add_argument("--json", metavar="FILE", type=writable_file, help="also write every figure to FILE as JSON")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
@@ -309,6 +320,8 @@ def main(argv=None) -> int:
         return _generate(args, g)
     if args.command == "serve":
         return serve_main(args, s)
+    if args.workload == "speculative":  # chapter 17's experiment (python -m minivllm.bench speculative) runs its own
+        return speculative_main(_speculative_argv(args))
     for size in SIZE_FLAGS:  # a size the workload does not have (argparse checked the ranges)
         if getattr(args, size) is not None:
             try:

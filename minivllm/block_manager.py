@@ -162,6 +162,19 @@ class BlockManager:
             else:
                 self.free_blocks.append(block)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Release ``seq``'s blocks past its first ``num_tokens`` tokens: speculative decoding's rollback (chapter 17).
+
+        They hold only rejected drafts' KV, so none was ever registered in the
+        prefix cache; a partly rejected last block stays, its rejected slots
+        rewritten by the next step before it can fill up and be registered.
+        """
+        keep = cdiv(num_tokens, self.block_size)
+        for block in reversed(seq.block_table[keep:]):
+            assert self.blocks[block].hash is None, "a block past the computed tokens was cached"
+            self.release(block)
+        del seq.block_table[keep:]
+
     def forget(self, seq: Sequence) -> None:
         """Drop what the swap space and the prefix cache keep for ``seq`` (it is gone, or starts over)."""
         self.free_cpu_blocks.extend(seq.cpu_block_table)

@@ -27,6 +27,45 @@ def check(ok: bool, field: str, allowed: str, value) -> None:
 
 
 DEFAULT_MAX_NUM_SEQS = 64  # measured on a 2-core CPU (see EngineConfig)
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 32
+MAX_PROMPT_LOOKUP = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` for prompt lookup (chapter 17), validated.
+
+    ``method="ngram"`` drafts up to ``num_speculative_tokens`` tokens a step
+    from the sequence's own tokens, matching its last ``prompt_lookup_max``
+    down to ``prompt_lookup_min`` tokens. As in vLLM, a missing bound takes
+    the other's value, and both missing are 5.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def from_value(cls, value) -> "SpeculativeConfig | None":
+        """A ``SpeculativeConfig`` from one, or from vLLM's dict form; ``None`` stays ``None`` (no speculation)."""
+        if value is None or isinstance(value, cls):
+            return value
+        keys = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        check(isinstance(value, dict) and set(value) <= set(keys), "speculative_config",
+              f"None or a dict with the keys {keys}", value)
+        method, k = value.get("method", "ngram"), value.get("num_speculative_tokens")
+        lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
+        lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
+        check(method in SPECULATIVE_METHODS, "speculative_config.method", f"one of {SPECULATIVE_METHODS}", method)
+        check(is_int(k) and 1 <= k <= MAX_SPECULATIVE_TOKENS, "speculative_config.num_speculative_tokens",
+              f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]", k)
+        check(is_int(lo) and 1 <= lo <= MAX_PROMPT_LOOKUP, "speculative_config.prompt_lookup_min",
+              f"an integer in [1, {MAX_PROMPT_LOOKUP}]", lo)
+        check(is_int(hi) and lo <= hi <= MAX_PROMPT_LOOKUP, "speculative_config.prompt_lookup_max",
+              f"an integer in [prompt_lookup_min ({lo}), {MAX_PROMPT_LOOKUP}]", hi)
+        return cls(method, k, lo, hi)
 
 
 @dataclass
@@ -98,6 +137,12 @@ class EngineConfig:
     worker frees a request's blocks when the decode worker acknowledges its
     KV, or after ``kv_transfer_timeout`` seconds without an answer (the
     request then fails).
+
+    ``speculative_config`` (chapter 17, vLLM's name and dict form, e.g.
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min":
+    2, "prompt_lookup_max": 4}``) drafts tokens by prompt lookup and verifies
+    them in one forward; greedy output is unchanged and sampled output keeps
+    its distribution (:class:`SpeculativeConfig`). ``None``: no speculation.
     """
 
     model: str = "smollm2-135m"
@@ -127,6 +172,7 @@ class EngineConfig:
     compile_attention: bool = False
     disaggregated: bool = False
     kv_transfer_timeout: float = 30.0
+    speculative_config: SpeculativeConfig | dict | None = None
     scheduler_cls: type | str = "minivllm.scheduler.Scheduler"
     block_manager_cls: type | str = "minivllm.block_manager.BlockManager"
     attention_backend: type | str = "minivllm.attention.PagedKVCache"
@@ -173,6 +219,7 @@ class EngineConfig:
         self._check_tensor_parallel_devices()
         self._check_kv_offload()
         self._check_disaggregated()
+        self._check_speculative()
         self._check_extension_points()
 
     def _check_extension_points(self) -> None:
@@ -191,6 +238,15 @@ class EngineConfig:
               "a number of seconds > 0", self.collective_timeout)
         check(not self.disaggregated or self.tensor_parallel_size == 1, "tensor_parallel_size",
               "1 with disaggregated=True (each worker runs one process)", self.tensor_parallel_size)
+
+    def _check_speculative(self) -> None:
+        """Speculative decoding (chapter 17): vLLM's dict form becomes a ``SpeculativeConfig``; one process."""
+        self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.speculative_config is not None:
+            check(self.tensor_parallel_size == 1, "speculative_config",
+                  "None with tensor_parallel_size > 1 (the workers verify no drafts)", self.speculative_config)
+            check(not self.disaggregated, "speculative_config",
+                  "None with disaggregated=True (the decode worker verifies no drafts)", self.speculative_config)
 
     def _check_tensor_parallel_devices(self) -> None:
         """Ranks need a device each on CUDA (NCCL), and the CPU (gloo) elsewhere (chapter 15)."""

@@ -302,7 +302,8 @@ class LLMEngine:
             raise
         clock.mark("swap")
         result, failed = self._run_isolated(out, clock)
-        produced = self.scheduler.update(out, result.token_ids, result.logprobs)
+        drafts = [result.num_accepted] if result.num_accepted else []  # a step that verified drafts (chapter 17)
+        produced = self.scheduler.update(out, result.token_ids, result.logprobs, *drafts)
         clock.mark("update")
         outputs = self._outputs(produced + failed)
         clock.mark("detokenize")
@@ -319,7 +320,7 @@ class LLMEngine:
             raise
         except Exception:
             pass
-        tokens, logprobs, ok, failed = [], [], [], []
+        tokens, logprobs, accepted, ok, failed = [], [], [], [], []
         for chunk in out.chunks:
             try:
                 result = self.runner.run([chunk])
@@ -331,8 +332,9 @@ class LLMEngine:
             ok.append(chunk)
             tokens += result.token_ids
             logprobs += result.logprobs
+            accepted += result.num_accepted or [0] * len(result.token_ids)
         out.chunks = ok
-        return SamplerOutput(tokens, logprobs), failed
+        return SamplerOutput(tokens, logprobs, accepted if any(accepted) else []), failed
 
     def _fail(self, seq: Sequence, error: Exception) -> list[Sequence]:
         """End ``seq`` (and any sample still to fork from it) with an error; the rest of the batch goes on."""
@@ -363,10 +365,23 @@ class LLMEngine:
         return outputs
 
     def _add_text(self, request: Request, seq: Sequence) -> list[int]:
-        """Feed a sample's new token to its text; a stop string ends the sample. Returns the new token ids."""
+        """Feed a sample's new tokens to its text; a stop string ends the sample. Returns the new token ids.
+
+        With drafts a step may add several tokens (chapter 17): they are fed one
+        by one, and a stop string inside the run drops the tokens after it."""
         text = request.texts[seq.index]
-        new = seq.output_token_ids[-1:] if seq.status is not SequenceStatus.FINISHED_ERROR else []
-        stop = text.add(new) if new else None
+        new = seq.output_token_ids[-seq.new_token_count:] if seq.status is not SequenceStatus.FINISHED_ERROR else []
+        stop = None
+        for i in range(len(new)):
+            stop = text.add(new[i:i + 1])
+            if stop is not None:
+                after = len(new) - i - 1
+                if after:  # plain decoding would have stopped here: the tokens after it never happened
+                    seq.drop_last_tokens(after)
+                    new = new[:i + 1]
+                    if seq.is_finished:  # ended later in the run (length, EOS): the stop string came first
+                        seq.status = SequenceStatus.FINISHED_STOPPED
+                break
         if stop is not None:
             seq.stop_reason = stop
             if not seq.is_finished:
@@ -419,10 +434,22 @@ class LLMEngine:
                 prefix_cache_hits=bm.prefix_hit_tokens,
                 num_failed_requests=self.num_failed_requests,
                 **self._tier_stats(bm),
+                **self._spec_stats(),
                 attention_kernel=getattr(self.runner.kv_cache, "attention_kernel", GATHER),
                 cuda_graph_sizes=tuple(sorted(graphs.graphs)) if graphs is not None else (),
                 **self._compile_stats(),
             )
+
+    def _spec_stats(self) -> dict:
+        """Speculative decoding's counters (chapter 17; vLLM's spec_decode_* names)."""
+        s = getattr(self.scheduler, "spec_stats", None)
+        if s is None:
+            return {}
+        return {"spec_decode_num_drafts": s.num_drafts, "spec_decode_num_draft_tokens": s.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": s.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": tuple(s.num_accepted_tokens_per_pos),
+                "spec_decode_num_decode_steps": s.num_decode_steps,
+                "spec_decode_num_emitted_tokens": s.num_emitted_tokens}
 
     def _compile_stats(self) -> dict:
         """Seconds spent compiling the in-place decode attention, and the batch buckets compiled (chapter 12)."""

@@ -9,6 +9,10 @@ attention metadata: slot mapping, block tables, masks), runs the model once,
 computes logits only for the chunks that end at their sequence's last token,
 and samples those (a chunk that forks ``n`` samples gets ``n`` draws).
 
+A decode row with drafts (chapter 17) is a chunk of ``1 + d`` tokens after
+the cached KV, exactly a prefill chunk; all its ``1 + d`` rows get logits and
+:func:`~minivllm.sampler.verify_drafts` keeps what the model agrees with.
+
 Under tensor parallelism (chapter 15) every rank runs :meth:`forward_inputs`
 on the same :class:`StepInputs` with its own shard of the model and its own
 KV pool; rank 0 builds them from the chunks and broadcasts them
@@ -24,7 +28,7 @@ import torch
 from minivllm.attention import PagedBatch, PagedKVCache
 from minivllm.block_manager import slots
 from minivllm.cuda_graphs import DecodeGraphRunner
-from minivllm.sampler import Sampler, SamplerOutput
+from minivllm.sampler import Sampler, SamplerOutput, verify_drafts
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
 
@@ -93,9 +97,11 @@ class ModelRunner:
         """The step's flat token batch as plain lists (what rank 0 broadcasts under tensor parallelism)."""
         ids, positions, logits_rows = [], [], []
         for c in chunks:
-            ids.extend(c.seq.token_slice(c.start, c.end))
+            d = len(c.spec_token_ids)
+            ids.extend(c.seq.token_slice(c.start, c.end - d) + c.spec_token_ids if d else
+                       c.seq.token_slice(c.start, c.end))
             positions.extend(range(c.start, c.end))
-            logits_rows.extend([len(ids) - 1] * len(c.sample_seqs))
+            logits_rows.extend(range(len(ids) - d - 1, len(ids)) if d else [len(ids) - 1] * len(c.sample_seqs))
         return StepInputs(ids, positions, [slot for c in chunks for slot in c.slots],
                           [c.seq.block_table for c in chunks], [c.end for c in chunks],
                           [c.num_tokens for c in chunks], logits_rows)
@@ -124,10 +130,40 @@ class ModelRunner:
         logits = self.forward_inputs(self.step_inputs(chunks), mark)
         if logits is None:
             return SamplerOutput([], [])
-        seqs = [s for c in chunks for s in c.sample_seqs]
-        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        if any(c.spec_token_ids for c in chunks):
+            result = self.verify(logits, chunks)
+        else:
+            seqs = [s for c in chunks for s in c.sample_seqs]
+            result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         mark("sample")
         return result
+
+    def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SamplerOutput:
+        """A step with drafts (chapter 17): rows without drafts go through the sampler as usual, each drafted
+        row's ``1 + d`` logits through :func:`verify_drafts`; per sample, its last token and the drafts kept."""
+        plain, drafted, row = [], [], 0
+        for c in chunks:
+            if c.spec_token_ids:
+                drafted.append((c, row))
+                row += len(c.spec_token_ids) + 1
+            else:
+                plain.extend((row + j, s) for j, s in enumerate(c.sample_seqs))
+                row += len(c.sample_seqs)
+        seqs = [s for _, s in plain]
+        sampled = self.sampler(logits[[r for r, _ in plain]], [s.params for s in seqs], [s.generator for s in seqs]) \
+            if plain else SamplerOutput([], [])
+        default = getattr(self.sampler, "generator", None)
+        kept = {id(c): verify_drafts(logits[r:r + len(c.spec_token_ids) + 1], c.spec_token_ids, c.seq.params,
+                                     c.seq.generator or default) for c, r in drafted}
+        tokens, logprobs = iter(sampled.token_ids), iter(sampled.logprobs or [None] * len(seqs))
+        out = SamplerOutput([], [], [])
+        for c in chunks:
+            for _ in c.sample_seqs:
+                got = kept.get(id(c))
+                out.token_ids.append(got[-1] if got else next(tokens))
+                out.logprobs.append(None if got else next(logprobs))
+                out.num_accepted.append(len(got) - 1 if got else 0)
+        return out
 
     def forward_inputs(self, inputs: StepInputs, mark=_noop_mark) -> torch.Tensor | None:
         """One forward over a step's inputs; the logits of the rows that sample (None when no row samples)."""

@@ -71,6 +71,14 @@ class EngineStats:
     attention_compile_seconds: float = 0.0
     attention_compiled_buckets: tuple = ()
     cuda_graph_sizes: tuple = ()  # decode batch sizes captured as CUDA graphs (empty: eager, always on the CPU)
+    # Speculative decoding (chapter 17), vLLM's counters: decode rows verified with drafts, draft tokens, accepted
+    # ones (in all and per draft position); every decode row, and the tokens those rows emitted (accepted + bonus)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple = ()
+    spec_decode_num_decode_steps: int = 0
+    spec_decode_num_emitted_tokens: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -80,6 +88,24 @@ class EngineStats:
     def prefix_cache_device_hits(self) -> int:
         """Prefix-cache hit tokens found on the device (chapter 14 splits them from the tier's)."""
         return self.prefix_cache_hits - self.prefix_cache_tier_hits
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted draft tokens per draft token (0 before any draft)."""
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens \
+            if self.spec_decode_num_draft_tokens else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """vLLM's mean acceptance length: 1 (the bonus token) + accepted tokens per draft."""
+        return 1 + self.spec_decode_num_accepted_tokens / self.spec_decode_num_drafts \
+            if self.spec_decode_num_drafts else 1.0
+
+    @property
+    def spec_decode_mean_tokens_per_step(self) -> float:
+        """Tokens a decoding sequence gained per step, drafted or not (1.0 without speculation)."""
+        return self.spec_decode_num_emitted_tokens / self.spec_decode_num_decode_steps \
+            if self.spec_decode_num_decode_steps else 1.0
 
     @property
     def kv_utilization(self) -> float:

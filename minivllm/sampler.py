@@ -6,6 +6,13 @@ seed, so its tokens do not depend on what else is in the batch. Rows that ask
 for ``logprobs`` also get the log-probabilities of the sampled token and of
 the most likely ones, under the model's own distribution (before temperature
 and filters, as vLLM reports them by default).
+
+Speculative decoding (chapter 17) verifies a row's drafts with
+:func:`verify_drafts`: greedy keeps drafts while they are the argmax; above
+temperature 0 it is rejection sampling with the draft as a point mass
+(Leviathan et al. 2023; vLLM's ``vllm/v1/sample/rejection_sampler.py`` with
+no draft probabilities), which leaves the output distribution exactly that of
+plain sampling.
 """
 
 from __future__ import annotations
@@ -15,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.spec_decode import accept_greedy
 
-__all__ = ["Logprob", "SamplerOutput", "Sampler", "apply_top_k_top_p", "sample", "top_logprobs"]
+__all__ = ["Logprob", "SamplerOutput", "Sampler", "apply_top_k_top_p", "sample", "top_logprobs", "verify_drafts"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,7 @@ class Logprob:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # per row, when asked for
+    num_accepted: list[int] = field(default_factory=list)  # per row, drafts kept before its token (chapter 17)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -64,6 +73,34 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             g = generators[i] or default_generator
             out[i] = torch.multinomial(probs[j], 1, generator=g)[0]
     return out.tolist()
+
+
+def verify_drafts(logits: torch.Tensor, draft: list[int], params: SamplingParams,
+                  generator: torch.Generator | None) -> list[int]:
+    """The tokens a row keeps from its ``draft``: ``logits [len(draft) + 1, vocab]`` are the target's after the
+    sequence and each draft prefix. Returns the accepted drafts and one more token (1 to ``len(draft) + 1``).
+
+    Greedy: :func:`minivllm.spec_decode.accept_greedy` on the argmaxes. Above
+    temperature 0, with ``p`` the target's (filtered) distribution: draft
+    ``x`` is accepted with probability ``p(x)`` (the draft is a point mass,
+    ``q(x) = 1``); at the first rejection the token is drawn from the residual
+    ``max(0, p - q)`` normalised, that is ``p`` without ``x``; if all are
+    accepted the bonus token is drawn from the last row. Each token then has
+    exactly the distribution plain sampling gives it.
+    """
+    if params.greedy:
+        return accept_greedy(draft, logits.max(dim=-1).indices.tolist())
+    rows, device = logits.shape[0], logits.device
+    top_k = torch.full((rows,), params.top_k, device=device)
+    top_p = torch.full((rows,), params.top_p, device=device, dtype=logits.dtype)
+    probs = apply_top_k_top_p(logits / params.temperature, top_k, top_p).softmax(dim=-1)
+    for i, x in enumerate(draft):
+        if torch.rand(1, generator=generator, device=device)[0] < probs[i, x]:
+            continue
+        residual = probs[i].clone()
+        residual[x] = 0.0  # p(x) < 1 here, so the rest has mass
+        return draft[:i] + [int(torch.multinomial(residual, 1, generator=generator)[0])]
+    return draft + [int(torch.multinomial(probs[-1], 1, generator=generator)[0])]
 
 
 def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> dict[int, Logprob]:

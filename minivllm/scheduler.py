@@ -34,6 +34,18 @@ or of a newly admitted sequence, and only sequences ranked below the head
 lose computed tokens: listed by rank, the computed-token counts grow
 lexicographically every step and are bounded, so every request finishes.
 
+Speculative decoding (chapter 17, ``EngineConfig.speculative_config``): a
+running decode row may carry drafts (:func:`minivllm.spec_decode.propose_ngram`)
+that cost a token of the budget and a KV slot each. They only use what is
+left: the budget beyond one token for every running sequence still to be
+scheduled (so the liveness argument above is untouched) and blocks that are
+free without preempting anyone; short of either, the row runs without them.
+After verification, ``update`` appends the accepted tokens one by one (a stop
+ends the run at its token) and rolls back the rest: the computed count
+returns to the accepted length and blocks past it go back to the pool
+(``BlockManager.truncate``), so only blocks of accepted tokens are ever
+registered in the prefix cache.
+
 Pure Python: no tensors here; the block copies to make (a fork's copy on
 write, swaps, the CPU offload tier's offloads and restores, chapter 14) are
 listed in the ``SchedulerOutput`` for the model runner.
@@ -49,6 +61,7 @@ from dataclasses import dataclass, field
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
 from minivllm.sequence import Sequence, SequenceStatus
+from minivllm.spec_decode import SpecDecodingStats, propose_ngram
 
 __all__ = ["ScheduledChunk", "SchedulerOutput", "FCFSQueue", "PriorityQueue", "Scheduler"]
 
@@ -58,17 +71,23 @@ S = SequenceStatus
 @dataclass
 class ScheduledChunk:
     """``num_tokens`` tokens of ``seq`` starting at position ``start`` (= its cached_token_count), and the KV
-    ``slots`` they are written to (from the block manager's slot mapping)."""
+    ``slots`` they are written to (from the block manager's slot mapping).
+
+    A decode row with drafts (chapter 17) feeds the sequence's last token and
+    then ``spec_token_ids``, which are not (yet) the sequence's tokens:
+    ``num_tokens`` counts them too.
+    """
 
     seq: Sequence
     start: int
     num_tokens: int
     slots: list[int]
+    spec_token_ids: list[int] = field(default_factory=list)
     samples: bool = field(init=False)  # only a chunk that reaches the sequence's last token samples
     sample_seqs: list[Sequence] = field(init=False)  # who gets a token from its logits: seq, and forks at birth
 
     def __post_init__(self):
-        self.samples = self.end == self.seq.num_tokens
+        self.samples = self.end - len(self.spec_token_ids) == self.seq.num_tokens
         self.sample_seqs = [self.seq, *self.seq.forks] if self.samples else []
 
     @property
@@ -186,6 +205,8 @@ class Scheduler:
         self.num_swapped_bytes = 0
         self._copies: list[tuple[int, int]] = []  # a fork's copies, made at the start of the next step
         self._copied_into: list[Sequence] = []
+        self.spec = config.speculative_config  # chapter 17: None, or how to draft
+        self.spec_stats = SpecDecodingStats(self.spec.num_speculative_tokens) if self.spec else None
 
     # -- queues --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -228,12 +249,30 @@ class Scheduler:
 
     def schedule_running(self, out: SchedulerOutput) -> None:
         """Decodes, then running prefills, each best rank first; blocks are made by preempting lower ranks."""
-        for seq in sorted(self.running, key=lambda s: (s.status is not S.RUNNING, s.rank)):
+        order = sorted(self.running, key=lambda s: (s.status is not S.RUNNING, s.rank))
+        for i, seq in enumerate(order):
             if seq not in self.running:  # preempted by a sequence before it in this loop
                 continue
             n = self.num_new_tokens(seq, seq.cached_token_count, out)
-            if n and self.reserve_blocks(seq, seq.cached_token_count + n, out):
+            drafts = self.propose(seq, n, out, len(order) - i - 1) if self.spec else []
+            if drafts and self.block_manager.allocate(seq, seq.cached_token_count + n + len(drafts)):
+                out.add(self.chunk(seq, n, drafts))  # the drafts' slots were free: nobody is preempted for them
+            elif n and self.reserve_blocks(seq, seq.cached_token_count + n, out):
                 out.add(self.chunk(seq, n))
+
+    def propose(self, seq: Sequence, n: int, out: SchedulerOutput, others: int) -> list[int]:
+        """Drafts for a running decode row (chapter 17), within the budget left after one token for each of the
+        ``others`` still to schedule, and within what the request may still emit (the bonus token included).
+
+        Rows that ask for logprobs are not drafted (their logprobs come from plain decode steps)."""
+        if n != 1 or seq.status is not S.RUNNING or seq.params.logprobs is not None:
+            return []
+        budget = self.config.max_num_batched_tokens - out.num_batched_tokens - 1 - others
+        room = min(self.spec.num_speculative_tokens, budget, seq.params.max_tokens - len(seq.output_token_ids) - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        if room <= 0:
+            return []
+        return propose_ngram(seq.token_ids, room, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
 
     def schedule_swapped(self, out: SchedulerOutput) -> None:
         """Bring swapped-out sequences back, oldest first, while their blocks and their chunk fit."""
@@ -297,10 +336,10 @@ class Scheduler:
         self.running.append(seq)
         out.add(self.chunk(seq, n))
 
-    def chunk(self, seq: Sequence, n: int) -> ScheduledChunk:
-        """The next ``n`` uncomputed tokens of ``seq`` (its blocks already cover them)."""
-        start = seq.cached_token_count
-        return ScheduledChunk(seq, start, n, self.block_manager.slot_mapping(seq, start, start + n))
+    def chunk(self, seq: Sequence, n: int, drafts: list[int] = ()) -> ScheduledChunk:
+        """The next ``n`` uncomputed tokens of ``seq``, then its ``drafts`` (its blocks already cover them all)."""
+        start, end = seq.cached_token_count, seq.cached_token_count + n + len(drafts)
+        return ScheduledChunk(seq, start, end - start, self.block_manager.slot_mapping(seq, start, end), list(drafts))
 
     # -- preemption (chapter 10) ---------------------------------------------------------------
     def reserve_blocks(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
@@ -362,14 +401,19 @@ class Scheduler:
             self._recompute_later(seq)
 
     # -- after the forward ---------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, token_ids: list[int], logprobs: list | None = None) -> list[Sequence]:
-        """Record what the step computed and sampled; returns the sequences that got a token."""
+    def update(self, out: SchedulerOutput, token_ids: list[int], logprobs: list | None = None,
+               num_accepted: list[int] | None = None) -> list[Sequence]:
+        """Record what the step computed and sampled; returns the sequences that got a token.
+
+        With drafts (chapter 17), ``token_ids`` holds each row's last token (the
+        bonus) and ``num_accepted`` how many of its drafts came before it."""
         now = time.perf_counter()
-        samples = iter(zip(token_ids, logprobs or [None] * len(token_ids)))
+        samples = iter(zip(token_ids, logprobs or [None] * len(token_ids), num_accepted or [0] * len(token_ids)))
         produced = []
         for c in out.chunks:
             seq = c.seq
-            seq.cached_token_count = c.end
+            decode = seq.status is S.RUNNING
+            seq.cached_token_count = c.end - len(c.spec_token_ids)
             seq.metrics.num_prefilled_tokens = seq.prefilled_token_count
             self.block_manager.register_computed_blocks(seq)
             if not c.samples:
@@ -379,9 +423,32 @@ class Scheduler:
                 self._fork(seq, child)
             seq.forks = []
             for s in c.sample_seqs:
-                self._append_token(s, *next(samples), now)
+                token, lp, accepted = next(samples)
+                if c.spec_token_ids:
+                    self._append_verified(s, c.spec_token_ids, accepted, token, now)
+                else:
+                    self._append_token(s, token, lp, now)
+                    s.new_token_count = 1
+                if self.spec and decode:
+                    self.spec_stats.observe_decode(s.new_token_count)
                 produced.append(s)
         return produced
+
+    def _append_verified(self, seq: Sequence, drafts: list[int], accepted: int, bonus: int, now: float) -> None:
+        """Append ``drafts[:accepted]`` and the bonus token, stopping where a stop condition ends the request;
+        then roll back: blocks past the accepted tokens (rejected drafts' KV only) go back to the pool (chapter 17)."""
+        self.spec_stats.observe_draft(len(drafts), accepted)
+        tokens = drafts[:accepted] + [bonus]
+        seq.new_token_count = 0
+        for i, token in enumerate(tokens):
+            self._append_token(seq, token, None, now)
+            seq.new_token_count += 1
+            if seq.is_finished:  # its blocks are free already
+                return
+            if i < accepted:  # its KV, written by the verification, is now the sequence's own
+                seq.cached_token_count += 1
+                self.block_manager.register_computed_blocks(seq)
+        self.block_manager.truncate(seq, seq.cached_token_count)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` (another sample of ``parent``'s request) starts from ``parent``'s prompt blocks."""

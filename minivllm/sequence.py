@@ -104,6 +104,7 @@ class Sequence:
         self.output_logprobs: list[dict] = []  # per output token, when params.logprobs is set
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # why it finished with FINISHED_ERROR
+        self.new_token_count = 1  # output tokens the latest step appended (up to k + 1 with drafts, chapter 17)
 
     @property
     def token_ids(self) -> list[int]:
@@ -137,6 +138,13 @@ class Sequence:
     def rank(self) -> tuple:
         """Who goes first when blocks run short: lower priority value, then earlier arrival (chapter 10)."""
         return (self.priority, self.metrics.arrival_time, self.seq_id)
+
+    def drop_last_tokens(self, count: int) -> None:
+        """Forget the last ``count`` output tokens (after a stop string inside a run of accepted drafts, chapter 17)."""
+        if count:
+            del self.output_token_ids[-count:], self.metrics.token_times[-count:]
+            self.metrics.num_output_tokens -= count
+            self.new_token_count -= count
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         p = self.num_prompt_tokens

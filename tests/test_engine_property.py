@@ -85,6 +85,11 @@ def workloads(draw):
 @PROPERTY
 @given(workloads())
 def test_random_workloads(w):
+    check_workload(w)
+
+
+def check_workload(w):
+    """Run workload ``w`` step by step: invariants each step, the liveness bound, no leak, outputs as if alone."""
     requests = w.pop("requests")
     aborts = {step: f"r{i}" for step, i in w.pop("aborts")}
     arrivals = w.pop("arrivals")

@@ -153,4 +153,5 @@ def _same_outputs(traces) -> bool:
     return all(t.token_ids == first for t in traces[1:])
 
 
-SUBCOMMANDS = ("interference", "shared-prefix", "preemption", "serving", "kv-offload", "disaggregation")  # python -m minivllm.bench NAME (bench/__init__)
+SUBCOMMANDS = ("interference", "shared-prefix", "preemption", "serving", "kv-offload", "disaggregation",
+               "speculative")  # python -m minivllm.bench NAME (bench/__init__)

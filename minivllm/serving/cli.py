@@ -10,6 +10,7 @@ flight finish for ``--shutdown-grace`` seconds, aborts the rest, and exits 0.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import signal
 import sys
@@ -63,9 +64,25 @@ FIELD_HELP = {
     "graph_runner_cls": "decode CUDA graph runner class (static buffers, padding), as a dotted name",
     "shard_weight": "tensor-parallel sharding function (rank r's shard of a checkpoint tensor), as a dotted name "
                     "(default: None, minivllm's own slicing)",
+    "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (default: None, off)',
 }
 CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": DTYPE_CHOICES}
-TYPES = {"int": int, "int | None": int, "float": float, "float | None": float}
+
+
+def json_object(text: str) -> dict:
+    """A flag's JSON object (``--speculative-config``); anything else is a usage error."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
+TYPES = {"int": int, "int | None": int, "float": float, "float | None": float,
+         "SpeculativeConfig | dict | None": json_object}
 
 
 def _flag(name: str) -> str:
@@ -124,7 +141,7 @@ def engine_config(args, parser: argparse.ArgumentParser) -> EngineConfig:
 
 def usage_error(parser: argparse.ArgumentParser, error: ValueError) -> NoReturn:
     """An engine's ``ValueError`` (its first word is the field) as a usage error naming the flag; exit status 2."""
-    field = str(error).split(" ", 1)[0]
+    field = str(error).split(" ", 1)[0].split(".")[0]  # speculative_config.method: --speculative-config
     parser.error(f"argument {_flag(field) if field in EngineConfig.field_names() else '--model'}: {error}")
 
 
@@ -175,7 +192,7 @@ def serve_main(args, parser: argparse.ArgumentParser) -> int:
     config = engine_config(args, parser)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or config.model
-    metrics = ServerMetrics(name)
+    metrics = ServerMetrics(name, speculative=config.speculative_config is not None)
     try:  # built in the loop's thread; what the engine refuses of the model (a longer --max-model-len) is usage
         async_llm = AsyncLLM(lambda: warm_up(make_engine(config)), args.max_queue_size, metrics)
     except ValueError as e:

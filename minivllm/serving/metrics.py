@@ -27,12 +27,22 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 COUNTERS = {"prefix_cache_queries": ("vllm:prefix_cache_queries", "Prefix-cache lookups, in tokens."),
             "prefix_cache_hits": ("vllm:prefix_cache_hits", "Prefix-cache hits, in tokens."),
             "num_preemptions": ("vllm:num_preemptions", "Preemptions of running sequences.")}
+# with speculative decoding (chapter 17): vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py), and
+# minivllm's count of decode rows and the tokens they emitted (accepted drafts plus the model's own)
+SPEC_COUNTERS = {
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "Decode rows verified with drafts."),
+    "spec_decode_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_decode_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+    "spec_decode_num_decode_steps": ("minivllm:spec_decode_num_decode_steps", "Decode rows, drafted or not."),
+    "spec_decode_num_emitted_tokens": ("minivllm:spec_decode_num_emitted_tokens",
+                                       "Tokens emitted by decode rows: accepted drafts and the model's own."),
+}
 
 
 class ServerMetrics:
     """vLLM's serving metrics for one model, plus minivllm's KV block counts."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, speculative: bool = False):
         self.registry = r = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": r}
 
@@ -48,7 +58,14 @@ class ServerMetrics:
         self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent of the blocks.")
         self.used_blocks = gauge("minivllm:kv_cache_used_blocks", "KV blocks held by requests.")
         self.total_blocks = gauge("minivllm:kv_cache_total_blocks", "KV blocks in the pool.")
-        self.counters = {f: Counter(name, doc, **label).labels(model_name) for f, (name, doc) in COUNTERS.items()}
+        counters = {**COUNTERS, **(SPEC_COUNTERS if speculative else {})}
+        self.counters = {f: Counter(name, doc, **label).labels(model_name) for f, (name, doc) in counters.items()}
+        self.spec_gauges = {
+            "spec_decode_acceptance_rate": gauge("minivllm:spec_decode_acceptance_rate",
+                                                 "Accepted draft tokens per draft token, since the start."),
+            "spec_decode_mean_tokens_per_step": gauge("minivllm:spec_decode_mean_tokens_per_step",
+                                                      "Tokens a decoding sequence gains per step, since the start."),
+        } if speculative else {}
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", **label
                                      ).labels(model_name)
         self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens.", **label).labels(model_name)
@@ -60,7 +77,7 @@ class ServerMetrics:
         self.itl = histogram("vllm:inter_token_latency_seconds", "Gaps between consecutive tokens.", ITL_BUCKETS)
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to the last token.", E2E_BUCKETS)
         self.model_name = model_name
-        self._last: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._last: dict[str, int] = dict.fromkeys(counters, 0)
         self._seen: dict[str, int] = {}  # request id -> token times already observed
 
     def record(self, outputs: list[RequestOutput], stats: EngineStats | None) -> None:
@@ -80,6 +97,8 @@ class ServerMetrics:
             value = getattr(stats, field)
             counter.inc(max(0, value - self._last[field]))
             self._last[field] = value
+        for field, g in self.spec_gauges.items():
+            g.set(getattr(stats, field))
 
     def _observe(self, out: RequestOutput) -> None:
         m = out.metrics

@@ -1,0 +1,89 @@
+"""Speculative decoding's plan-side parts: the n-gram drafter, the greedy acceptance rule, the counters (chapter 17).
+
+A decode step reads every weight to make one token. Prompt lookup guesses the
+next ``k`` tokens from the sequence itself (the tokens that followed the
+latest earlier occurrence of its last ``n`` tokens); the engine then verifies
+the guesses in one forward over ``1 + k`` positions after the cached KV (a
+prefill chunk, chapter 02), keeps the drafts up to the first one the model
+disagrees with, and appends the model's own token after them: 1 to ``k + 1``
+tokens a step, exactly the tokens plain decoding makes.
+
+Where the rest lives: the scheduler asks :func:`propose_ngram` for a running
+sequence's drafts and books their slots (``Scheduler.schedule_running``); the
+model runner verifies them (``sampler.verify_drafts``: greedy through
+:func:`accept_greedy`, rejection sampling above temperature 0); the
+scheduler's ``update`` appends what was accepted and rolls the rest back
+(``BlockManager.truncate``). Pure Python: no tensors here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["propose_ngram", "accept_greedy", "SpecDecodingStats"]
+
+
+def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last ``n`` tokens, ``n`` from
+    ``max_n`` down to ``min_n``; ``[]`` when no suffix of those lengths occurred before.
+
+    vLLM (``vllm/v1/spec_decode/ngram_proposer.py``) finds the longest match
+    with KMP and takes its earliest occurrence; the latest one is the one most
+    like what is being written now (an edit in progress), and as easy to find.
+    """
+    total = len(token_ids)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix, last = token_ids[total - n:], token_ids[-1]
+        for start in range(total - n - 1, -1, -1):  # every earlier occurrence, latest first
+            if token_ids[start + n - 1] == last and token_ids[start:start + n] == suffix:
+                return token_ids[start + n:start + n + k]
+    return []
+
+
+def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
+    """Greedy verification: ``target[i]`` is the model's argmax after the sequence and ``draft[:i]``.
+
+    Keep drafts while they equal the target's choice, then append the
+    target's own token there (the bonus token): ``len(draft) + 1`` targets in,
+    1 to ``len(draft) + 1`` tokens out.
+    """
+    assert len(target) == len(draft) + 1, "one target token per draft, and one after them"
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == target[accepted]:
+        accepted += 1
+    return draft[:accepted] + [target[accepted]]
+
+
+@dataclass
+class SpecDecodingStats:
+    """The engine's speculative-decoding counters (vLLM's ``SpecDecodingStats``, cumulative here).
+
+    A draft is one decode row verified with at least one draft token;
+    ``num_decode_steps`` and ``num_emitted_tokens`` count every decode row
+    (drafted or not) and the tokens those rows appended, so
+    ``num_emitted_tokens / num_decode_steps`` is the mean tokens a sequence
+    gains per step.
+    """
+
+    num_spec_tokens: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    num_decode_steps: int = 0
+    num_emitted_tokens: int = 0
+
+    def __post_init__(self):
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_spec_tokens
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def observe_decode(self, num_emitted_tokens: int) -> None:
+        self.num_decode_steps += 1
+        self.num_emitted_tokens += num_emitted_tokens
