@@ -43,18 +43,19 @@ class SpawnablePart:
     """``name`` of ``your_engine/<module>.py`` as a callable that pickles as its file and name.
 
     A spawned tensor-parallel rank (chapter 15) cannot import a module loaded
-    from a path: it unpickles this and loads the reader's file itself (its
-    working directory is the notebook's, as the engine's).
+    from a path: it unpickles this and loads the reader's file itself, from the
+    same folder (an absolute path: its working directory may differ).
     """
 
-    def __init__(self, module: str, name: str):
-        self.module, self.name, self.fn = module, name, load_part(module, name)
+    def __init__(self, module: str, name: str, parts_dir: Path | str = PARTS_DIR):
+        self.module, self.name, self.parts_dir = module, name, str(Path(parts_dir).resolve())
+        self.fn = load_part(module, name, self.parts_dir)
 
     def __call__(self, *args, **kwargs):
         return self.fn(*args, **kwargs)
 
     def __reduce__(self):
-        return SpawnablePart, (self.module, self.name)
+        return SpawnablePart, (self.module, self.name, self.parts_dir)
 
 
 def chat_prompts(tokenizer, n: int = 16, seed: int = 0, note_words: tuple[int, int] = (100, 200)) -> list[list[int]]:
