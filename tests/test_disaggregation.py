@@ -5,6 +5,7 @@ and no process left behind."""
 import gc
 import json
 import os
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 from minivllm import LLM, EngineConfig, LLMEngine, SamplingParams
 from minivllm.bench import ServerProcess
 from minivllm.disaggregation import DisaggregatedEngine
+from minivllm.disaggregation.front import HEARTBEAT_S, STEP_MARGIN_S
 from minivllm.exercises.live import chat_prompts
 from minivllm.kv_transfer import kv_bytes
 
@@ -142,6 +144,31 @@ def test_no_ack_within_the_timeout_frees_the_prefill_blocks_and_fails_the_reques
     assert "freed the request's blocks" in last.error
     assert tiny.engine.restarts["decode"] == restarts + 1  # the silent decode worker was replaced
     prompts = chat_prompts(tiny.get_tokenizer(), 4)  # the front keeps serving
+    assert [o.outputs[0].token_ids for o in tiny.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
+    assert_clean(tiny)
+
+
+def test_a_stopped_worker_is_restarted_only_after_the_stall_limit(tiny, reference):
+    """A heartbeat unanswered past two link timeouts and a step (the longest a transfer blocks a worker) is a stall."""
+    engine, restarts = tiny.engine, tiny.engine.restarts["decode"]
+    limit = engine.stall_limit()
+    assert limit == 2 * 3.0 + STEP_MARGIN_S
+    old = engine.procs[1].pid
+    os.kill(old, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        while engine.restarts["decode"] == restarts:
+            assert time.monotonic() - start < limit + 30, "a stopped decode worker was never restarted"
+            engine.step()
+        took = time.monotonic() - start
+    finally:
+        try:
+            os.kill(old, signal.SIGCONT)
+        except ProcessLookupError:  # the front killed it when it gave up on it
+            pass
+    assert took > limit - HEARTBEAT_S, f"restarted after {took:.1f} s: a worker inside one transfer is not stalled"
+    prompts = chat_prompts(tiny.get_tokenizer(), 2)
     assert [o.outputs[0].token_ids for o in tiny.generate(prompts, GREEDY, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
     assert_clean(tiny)

@@ -11,8 +11,9 @@ two into one stream (one ``RequestMetrics``: TTFT is the prefill's).
 
 Faults: the front checks its workers at every step. A worker that died, a
 link that broke (the other side reports it), or a worker that leaves a
-heartbeat unanswered for ``kv_transfer_timeout`` seconds (stopped, or stuck)
-is restarted **automatically** under a new link epoch, without waiting for
+heartbeat unanswered for longer than one transfer may take (twice
+``kv_transfer_timeout``, the send then the ack, plus a step: stopped, or
+stuck) is restarted **automatically** under a new link epoch, without waiting for
 it: the requests it owned fail with ``finish_reason "error"`` and a
 message, new ones queue until the workers meet again, and the others go
 on. The front never blocks on a worker: each worker's messages go out
@@ -50,7 +51,8 @@ __all__ = ["DisaggregatedEngine", "ROLES"]
 ROLES = {PREFILL: "prefill", DECODE: "decode"}
 START_TIMEOUT = 300.0  # seconds a worker may take to start (load its model) and meet its peer
 STEP_WAIT = 0.05  # seconds a step waits for a worker's message when none is ready
-HEARTBEAT_S = 0.5  # a ready worker is asked for its stats this often; kv_transfer_timeout unanswered: stalled
+HEARTBEAT_S = 0.5  # a ready worker is asked for its stats this often; stall_limit() unanswered: stalled
+STEP_MARGIN_S = 2.0  # what a worker's own step may add to a transfer's waits before it counts as stalled
 
 
 @dataclass
@@ -173,9 +175,14 @@ class DisaggregatedEngine(LLMEngine):
         self._send(role, ("stats",))
         return self._sent[role]
 
+    def stall_limit(self) -> float:
+        """Seconds a heartbeat may go unanswered: a transfer blocks a worker for up to two link
+        timeouts (sending the KV, then waiting for the ack) and a step; only longer means stalled."""
+        return 2 * self.config.kv_transfer_timeout + STEP_MARGIN_S
+
     def _stalled(self, role: int) -> str | None:
         """Why ``role`` counts as stalled: a stats request unanswered, or a (re)start, for too long."""
-        t, limit = time.monotonic(), self.config.kv_transfer_timeout
+        t, limit = time.monotonic(), self.stall_limit()
         if self._ready_now(role):
             asked = self._asked[role]
             if asked and t - asked[0] > limit:
