@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from minivllm.block_manager import BlockManager
 from minivllm.config import EngineConfig
 from minivllm.sequence import Sequence, SequenceStatus
-from minivllm.spec_decode import SpecDecodingStats, propose_ngram
+from minivllm.spec_decode import SpecDecodingStats, backoff_steps, propose_ngram
 
 __all__ = ["ScheduledChunk", "SchedulerOutput", "FCFSQueue", "PriorityQueue", "Scheduler"]
 
@@ -264,8 +264,11 @@ class Scheduler:
         """Drafts for a running decode row (chapter 17), within the budget left after one token for each of the
         ``others`` still to schedule, and within what the request may still emit (the bonus token included).
 
-        Rows that ask for logprobs are not drafted (their logprobs come from plain decode steps)."""
+        Rows that ask for logprobs are not drafted (their logprobs come from plain decode steps), nor rows whose
+        recent drafts were all rejected, until their backoff ends (:func:`minivllm.spec_decode.backoff_steps`)."""
         if n != 1 or seq.status is not S.RUNNING or seq.params.logprobs is not None:
+            return []
+        if self.step_index < seq.draft_resume_step:
             return []
         budget = self.config.max_num_batched_tokens - out.num_batched_tokens - 1 - others
         room = min(self.spec.num_speculative_tokens, budget, seq.params.max_tokens - len(seq.output_token_ids) - 1,
@@ -425,6 +428,8 @@ class Scheduler:
             for s in c.sample_seqs:
                 token, lp, accepted = next(samples)
                 if c.spec_token_ids:
+                    s.draft_misses = 0 if accepted else s.draft_misses + 1
+                    s.draft_resume_step = self.step_index + backoff_steps(s.draft_misses)
                     self._append_verified(s, c.spec_token_ids, accepted, token, now)
                 else:
                     self._append_token(s, token, lp, now)

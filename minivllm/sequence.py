@@ -105,6 +105,8 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # why it finished with FINISHED_ERROR
         self.new_token_count = 1  # output tokens the latest step appended (up to k + 1 with drafts, chapter 17)
+        self.draft_misses = 0  # drafts in a row with no token accepted (chapter 17's backoff)
+        self.draft_resume_step = 0  # the first scheduler step at which it may be drafted again
 
     @property
     def token_ids(self) -> list[int]:

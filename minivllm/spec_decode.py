@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["propose_ngram", "accept_greedy", "SpecDecodingStats"]
+__all__ = ["propose_ngram", "accept_greedy", "backoff_steps", "MAX_BACKOFF_STEPS", "SpecDecodingStats"]
+
+MAX_BACKOFF_STEPS = 8  # the longest a sequence whose drafts keep failing waits before it is drafted again
 
 
 def propose_ngram(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -52,6 +54,19 @@ def accept_greedy(draft: list[int], target: list[int]) -> list[int]:
     while accepted < len(draft) and draft[accepted] == target[accepted]:
         accepted += 1
     return draft[:accepted] + [target[accepted]]
+
+
+def backoff_steps(misses: int) -> int:
+    """Steps a sequence is not drafted after ``misses`` drafts in a row had no token accepted (chapter 17).
+
+    A rejected draft costs its verification positions and buys nothing, so
+    speculation steps aside for a sequence whose text does not repeat itself:
+    1, 2, 4, ... steps, at most :data:`MAX_BACKOFF_STEPS`; the next accepted
+    draft resets it. A stream that never repeats is then drafted on at most
+    about one step in eight, and one that starts repeating is drafted again
+    within eight steps.
+    """
+    return 0 if misses <= 0 else min(2 ** (misses - 1), MAX_BACKOFF_STEPS)
 
 
 @dataclass

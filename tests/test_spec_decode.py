@@ -9,7 +9,7 @@ from minivllm.config import EngineConfig, cdiv
 from minivllm.exercises.live import chat_prompts
 from minivllm.sequence import Sequence
 from minivllm.simulator import make_scheduler
-from minivllm.spec_decode import accept_greedy, propose_ngram
+from minivllm.spec_decode import MAX_BACKOFF_STEPS, accept_greedy, backoff_steps, propose_ngram
 
 from helpers import greedy, run_engine
 
@@ -100,6 +100,28 @@ def test_rollback_frees_rejected_blocks_and_caches_only_accepted_tokens():
     bm.check_invariants(sched.sequences)
     sched.abort(seq)
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_sequence_whose_drafts_keep_failing_steps_aside_and_returns_on_an_accepted_draft():
+    sched = make_scheduler(64, block_size=4, speculative_config=SPEC)
+    seq = Sequence("r", [1, 2, 3] * 3, greedy(200, ignore_eos=True))  # 1, 2, 3, ...: a match at every step
+    sched.add(seq)
+    sched.update(sched.schedule(), [1])
+    drafted = []
+    for _ in range(40):  # the model rejects every draft (its own token goes on with the cycle)
+        out = sched.schedule()
+        drafted.append(bool(out.chunks[0].spec_token_ids))
+        sched.update(out, [1 + seq.num_tokens % 3], num_accepted=[0])
+    # after 1, 2, 3, 4, ... misses in a row it waits 1, 2, 4, 8 steps, then never more than MAX_BACKOFF_STEPS
+    assert [i for i, d in enumerate(drafted) if d] == [0, 2, 5, 10, 19, 28, 37]
+    assert MAX_BACKOFF_STEPS == 8 and [backoff_steps(m) for m in range(6)] == [0, 1, 2, 4, 8, 8]
+    while not (out := sched.schedule()).chunks[0].spec_token_ids:
+        sched.update(out, [1 + seq.num_tokens % 3], num_accepted=[0])
+    drafts = out.chunks[0].spec_token_ids
+    sched.update(out, [1 + (seq.num_tokens + len(drafts)) % 3], num_accepted=[len(drafts)])  # all accepted
+    assert seq.draft_misses == 0
+    assert sched.schedule().chunks[0].spec_token_ids  # drafted again at once
+    sched.block_manager.check_invariants(sched.sequences)
 
 
 @pytest.mark.parametrize("num_blocks, drafted", [(4, False), (5, True)])

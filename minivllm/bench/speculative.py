@@ -1,8 +1,9 @@
 """Speculative decoding on and off: ``python -m minivllm bench --workload speculative`` (chapter 17).
 
 Two workloads of chat prompts: "repetitive", where the answer copies spans of
-the prompt (fix a typo and write the text out again: prompt lookup drafts
-it), and "open", short questions whose answers the prompt does not contain.
+the prompt (fix the typo in a paragraph of four sentences, about 80 tokens,
+and write it out again: prompt lookup drafts it), and "open", short questions
+whose answers the prompt does not contain.
 Each runs at every batch size (all requests at once), speculation off and on
 in alternation, on fresh warmed-up engines; greedy, exact output lengths.
 Reported: median TPOT, output tokens/s, the acceptance rate and the tokens a
@@ -50,13 +51,13 @@ def _typo(sentence: str, rng: random.Random) -> str:
 
 
 def speculative_prompts(tokenizer, kind: str, n: int, seed: int = 0) -> list[list[int]]:
-    """``n`` chat prompts: "repetitive" (fix the typo and write the sentence out again) or "open" (a question)."""
+    """``n`` chat prompts: "repetitive" (fix the typo and write the paragraph out again) or "open" (a question)."""
     rng = random.Random(seed)
     prompts = []
     for i in range(n):
-        if kind == "repetitive":
-            body = ("Fix the typo in this sentence and write it out again: "
-                    + _typo(SENTENCES[i % len(SENTENCES)], rng))
+        if kind == "repetitive":  # a paragraph, not a sentence: the copy is longer than the reply's preamble
+            paragraph = " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(4))
+            body = "Fix the typo in this paragraph and write the whole paragraph out again:\n\n" + _typo(paragraph, rng)
         else:
             body = f"Tell me about {TOPICS[i % len(TOPICS)]}."
         text = tokenizer.apply_chat_template([{"role": "user", "content": body}], add_generation_prompt=True,
@@ -89,7 +90,7 @@ def speculative_main(argv=None) -> int:
     offline_env()
     parser = bench_parser("speculative", speculative_main.__doc__)
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--output-tokens", type=positive_int, default=32)
+    parser.add_argument("--output-tokens", type=positive_int, default=64)
     parser.add_argument("--num-speculative-tokens", type=positive_int, default=SPEC["num_speculative_tokens"])
     args = parser.parse_args(argv)
     if args.output_tokens < 2:
