@@ -173,6 +173,45 @@ def _check_step(cls, case: _Case) -> None:
                                  f"self.k[layer] and self.v[layer] only")
 
 
+_PADDED = _Case("two decodes padded to a batch of four as a CUDA-graph replay pads it (chapter 12: padding rows have "
+                "slot -1, context length 1 and block 0 as their table)", 4, 2, 4, [(1, 9), (1, 5)], seed=5)
+
+
+def _check_padding(cls, case: _Case = _PADDED, pad: int = 2) -> None:
+    """Padding rows (slot -1) must write no real slot, and the real rows' outputs stay right."""
+    step = _Step(case, cls)
+    w, kvh, d = max(map(len, step.tables)), case.kv_heads, case.head_dim
+    tables = torch.tensor([t + [0] * (w - len(t)) for t in step.tables] + [[0] * w] * pad)
+    context = torch.tensor([c for _, c in case.seqs] + [1] * pad)
+    real = step.batch.slot_mapping.tolist()
+    slot_mapping = torch.tensor(real + [-1] * pad)
+    batch = PagedBatch.for_decode(tables, context, slot_mapping, case.block_size, case.heads // kvh)
+    g = torch.Generator().manual_seed(case.seed + 100)
+    q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:], generator=g)]) for x in (step.q, step.k, step.v))
+    positions = torch.cat([step.positions, torch.zeros(pad, dtype=torch.long)])
+    what = f"{case.what}"
+    try:
+        got = step.cache.forward(LAYER, q, k, v, positions, batch)
+    except (RuntimeError, IndexError) as e:
+        raise AssertionError(f"{what}: forward raised {type(e).__name__} on slot -1: {str(e).splitlines()[0]}; write "
+                             "through self.k_slots[layer] and self.v_slots[layer], where slot -1 is the scratch "
+                             "slot") from None
+    for name, pool, before in (("key", step.cache.k, step.pools_before[0]), ("value", step.cache.v, step.pools_before[1])):
+        changed = set((pool[LAYER] != before[LAYER]).reshape(-1, kvh * d).any(1).nonzero().flatten().tolist())
+        if changed - set(real):
+            s = min(changed - set(real))
+            raise AssertionError(f"{what}: a padding row wrote its {name} into slot {s} (offset "
+                                 f"{s % case.block_size} of block {s // case.block_size}), which holds a real "
+                                 "sequence's KV; on a GPU that corrupts it. Write through self.k_slots[layer] and "
+                                 "self.v_slots[layer], whose slot -1 is the scratch slot no block table reaches, not "
+                                 "self.k[layer].view(-1, ...), whose slot -1 is the pool's last real slot")
+    expected = step.expected()
+    if not isinstance(got, torch.Tensor) or got.shape[0] != len(real) + pad or \
+            not (got[:len(real)] - expected).abs().max().item() <= 1e-5:
+        raise AssertionError(f"{what}: the real rows' outputs differ from one ContiguousKVCache per sequence; a "
+                             "padding row's output is dropped (valid/out_index), it must not change the others'")
+
+
 def check_paged_attention(cls) -> None:
     """Check a ``PagedKVCache`` subclass's ``forward`` (chapter 05).
 
@@ -180,13 +219,15 @@ def check_paged_attention(cls) -> None:
     chunks mixed; several groups; grouped and plain heads) on small pools full
     of stale values: the output must match one ``ContiguousKVCache`` per
     sequence within 1e-5 and the step's keys and values must land at the slot
-    mapping of the right layer. Then SmolLM2 runs in the live engine with the
+    mapping of the right layer; a decode batch padded as chapter 12's CUDA
+    graphs pad it (slot -1) must write no real slot. Then SmolLM2 runs in the live engine with the
     class as its attention backend, chunked prefill mixing decodes and chunks.
     """
     for case in _CASES:
         _check_step(cls, case)
+    _check_padding(cls)
     print(f"check_paged_attention: all {len(_CASES)} steps match one contiguous cache per sequence, and the new keys "
-          f"and values are in the pool.")
+          f"and values are in the pool; padding rows of a replayed decode batch (slot -1) write no real slot.")
     tok = load_tokenizer("smollm2-135m")
     short = [p for p in chat_prompts(tok, 4) if len(p) < 100]  # three chat questions of about 36 tokens
     requests = [(f"r{i}", p, greedy(6)) for i, p in enumerate(short)]

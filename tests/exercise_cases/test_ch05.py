@@ -31,15 +31,17 @@ class MyPagedKVCache(PagedKVCache):
             out[g.out_index] = o.transpose(1, 2)[g.valid]
         return out
 
+    forward.skips_padding_slots = True
+
 
 class ByHandSoftmax(PagedKVCache):
     """Another right answer: slots gathered with the flat view, an explicit softmax, GQA by reshaping the queries."""
 
     def forward(self, layer, q, k, v, positions, batch):
         kv_heads, d = k.shape[1:]
+        self.k_slots[layer][batch.slot_mapping] = k  # slot -1 (a padding row): the scratch slot
+        self.v_slots[layer][batch.slot_mapping] = v
         flat_k, flat_v = self.k[layer].view(-1, kv_heads, d), self.v[layer].view(-1, kv_heads, d)
-        flat_k.index_copy_(0, batch.slot_mapping, k)
-        flat_v.index_copy_(0, batch.slot_mapping, v)
         heads, group, bs = q.shape[1], q.shape[1] // kv_heads, self.block_size
         out = torch.zeros_like(q)
         for g in batch.groups:
@@ -90,6 +92,16 @@ def _variant(read_first=False, mask=lambda m: m, tiled=False, keep_padding=False
     return type("WrongPagedKVCache", (PagedKVCache,), {"forward": forward})
 
 
+class IndexCopiesIntoThePoolView(MyPagedKVCache):
+    """Writes with index_copy_ through the pool's flat view: fine for real slots, an error for slot -1."""
+
+    def forward(self, layer, q, k, v, positions, batch):
+        kv_heads, d = k.shape[1:]
+        self.k[layer].view(-1, kv_heads, d).index_copy_(0, batch.slot_mapping, k)
+        self.v[layer].view(-1, kv_heads, d).index_copy_(0, batch.slot_mapping, v)
+        return _variant(write=False).forward(self, layer, q, k, v, positions, batch)
+
+
 class WritesLayerZero(MyPagedKVCache):
     def forward(self, layer, q, k, v, positions, batch):
         return super().forward(0, q, k, v, positions, batch)
@@ -105,6 +117,8 @@ CHECKS = [Check("05", check_paged_attention, [MyPagedKVCache, ByHandSoftmax, Pag
     "padding rows kept": (_variant(keep_padding=True), "padding rows"),
     "never writes the pool": (_variant(write=False), "read before|slot_mapping"),
     "ignores the layer": (WritesLayerZero, "layer"),
+    "writes through self.k[layer].view(-1, ...) (slot -1 is a real slot there)": (_variant(), "a padding row wrote"),
+    "index_copy_ into the pool view (slot -1 is out of range)": (IndexCopiesIntoThePoolView, "on slot -1"),
 }, passes="the live engine")]
 
 
