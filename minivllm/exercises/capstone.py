@@ -5,7 +5,10 @@ Each exercise notebook wrote its part to ``your_engine/<module>.py``.
 minivllm's own where a part is missing or still a stub, saying which;
 parts that subclass the same class (the scheduler's passes from chapters 06,
 09 and 10; the block manager of chapters 04 and 08) are combined into one
-class, so the engine runs all of them at once.
+class, so the engine runs all of them at once. :func:`your_llm` builds the
+engine so that every part is used: the offload tier (14) gets blocks to
+hold, and on the CPU the graph runner (12) runs the padded decode batches
+eagerly, as its exercise's check does.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from minivllm.engine import LLM
 from minivllm.exercises.live import PARTS_DIR, drive, greedy, load_part
 from minivllm.exercises.progress import PARTS, Part, stubs
 
-__all__ = ["your_parts", "your_options"]
+__all__ = ["your_parts", "your_options", "your_llm"]
 
 
 _PROBE = dict(block_size=4, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=24, enable_chunked_prefill=True,
@@ -28,7 +31,7 @@ def _probe(part: Part, cls) -> str | None:
         return "not written yet"
     requests = [(f"p{i}", [7, 7, 7, 7, 7, 7, 7, 7] + list(range(10 + i, 13 + 3 * i)), greedy(6)) for i in range(4)]
     try:
-        drive(LLM("tiny-random", **_PROBE, **{part.extension: cls}), requests, f"your {part.what}")
+        drive(your_llm("tiny-random", {part.extension: cls}, **_PROBE), requests, f"your {part.what}")
     except NotImplementedError:
         return "not written yet"
     except Exception as e:  # a failing part is reported, not used
@@ -58,3 +61,19 @@ def your_options(found: dict[str, list]) -> dict:
         options[extension] = classes[0] if len(classes) == 1 else type(f"Your{base.__name__}",
                                                                        tuple(reversed(classes)), {})
     return options
+
+
+def your_llm(model: str, options: dict, **engine_options) -> LLM:
+    """An ``LLM`` with the reader's parts (``options``) where each is used: a tier (14) of as many blocks as the
+    pool, unless ``kv_offload_blocks`` is given; a graph runner (12) replayed eagerly on the CPU (a GPU captures it)."""
+    if "offload_tier_cls" in options and not engine_options.get("kv_offload_blocks"):
+        engine_options = {**engine_options, "kv_offload_blocks": engine_options.get("num_blocks") or 64,
+                          "enable_prefix_caching": True}
+    llm = LLM(model, **engine_options, **options)
+    engine, runner = llm.engine, llm.engine.runner
+    if "graph_runner_cls" in options and runner.graph_runner is None:
+        if engine.config.torch_device.type == "cuda" or not runner.enable_decode_graphs(
+                engine.config.max_num_seqs, engine.max_model_len, capture=False):
+            print("your graph runner is not used: the attention backend does not declare "
+                  "forward.skips_padding_slots = True (exercise 05), so no decode step is padded")
+    return llm

@@ -69,8 +69,10 @@ PARTS = [
     Part("10", "preemption", "MyScheduler", check_preemption, "scheduler: preemption", "scheduler_cls"),
     Part("11", "metrics", "request_latencies", check_request_latencies, "request latencies"),
     Part("11", "metrics", "goodput", check_goodput, "goodput"),
-    Part("12", "graph_runner", "MyGraphRunner", check_graph_runner, "CUDA-graph decode batch: the padding rule"),
-    Part("14", "offload_tier", "MyOffloadTier", check_offload_tier, "CPU offload tier of the prefix cache"),
+    Part("12", "graph_runner", "MyGraphRunner", check_graph_runner, "CUDA-graph decode batch: the padding rule",
+         "graph_runner_cls"),
+    Part("14", "offload_tier", "MyOffloadTier", check_offload_tier, "CPU offload tier of the prefix cache",
+         "offload_tier_cls"),
     Part("15", "tensor_parallel", "shard_weight", check_shard_weight, "tensor-parallel shards of a Llama layer"),
 ]
 
