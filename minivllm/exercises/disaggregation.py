@@ -272,7 +272,8 @@ def _check_live(cls) -> str:
              kv_transfer_timeout=LIVE_TIMEOUT, **options) as llm:
         engine = llm.engine
         used = {ROLES[r]: i.get("handoff") for r, i in engine.info.items()}
-        assert set(used.values()) == {cls.__name__}, f"{what}: the workers run {used}, not {cls.__name__}"
+        if set(used.values()) != {cls.__name__}:
+            raise AssertionError(f"{what}: the workers run the handoffs {used}, not {cls.__name__}")
         for rid, prompt, params in requests:
             engine.add_request(rid, prompt, params)
         outs = _finish(engine, {rid for rid, _, _ in requests}, what)
