@@ -280,7 +280,9 @@ def _check_live(cls) -> str:
         for rid, want in expected.items():
             out = outs[rid]
             if out.error or out.outputs[0].token_ids != want:
-                raise AssertionError(f"{what}: request {rid} " + (f"failed: {out.error}" if out.error else
+                busy = (f" (on a very busy machine a transfer can miss the {LIVE_TIMEOUT:.0f} s timeout: if your "
+                        "targeted cases passed, run the check again)") if "Timed out" in (out.error or "") else ""
+                raise AssertionError(f"{what}: request {rid} " + (f"failed: {out.error}{busy}" if out.error else
                                      f"gave {out.outputs[0].token_ids}, one engine {want}"))
         _assert_clean(engine, f"{what}, after {len(requests)} requests")
         engine.inject_fault("decode", "decode:before_ack", 2 * LIVE_TIMEOUT)  # silent past the timeout
