@@ -102,7 +102,10 @@ class EngineConfig:
     ``graph_runner_cls`` (the static buffers of decode steps replayed as CUDA
     graphs, chapter 12) take a class or its dotted name; ``shard_weight``
     (rank r's shard of a checkpoint tensor, chapter 15) a function or its
-    dotted name, None for minivllm's own slicing. The
+    dotted name, None for minivllm's own slicing; ``kv_handoff_cls`` (who
+    frees a transfer's blocks when, and the fingerprint check, in the
+    disaggregated workers, chapter 16) a class, any callable that builds the
+    handoff, or its dotted name, None for minivllm's ``KVHandoff``. The
     defaults are minivllm's own, built through the same code path; the
     exercises plug a reader's part in here.
 
@@ -181,6 +184,7 @@ class EngineConfig:
     offload_tier_cls: type | str = "minivllm.kv_tier.OffloadTier"
     graph_runner_cls: type | str = "minivllm.cuda_graphs.DecodeGraphRunner"
     shard_weight: object = None  # None: minivllm's own slicing; else a function or its dotted name (chapter 15)
+    kv_handoff_cls: object = None  # None: minivllm's KVHandoff; else what builds one, or its dotted name (chapter 16)
 
     def __post_init__(self):
         check(isinstance(self.model, str) and self.model != "", "model", "a non-empty string", self.model)
@@ -223,11 +227,13 @@ class EngineConfig:
         self._check_extension_points()
 
     def _check_extension_points(self) -> None:
-        """Every class extension point resolves to a class, ``shard_weight`` to None or a function."""
+        """Every class extension point resolves to a class, ``shard_weight`` and ``kv_handoff_cls`` to None or a
+        callable."""
         for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer",
                      "offload_tier_cls", "graph_runner_cls"):
             resolve(getattr(self, name), name)
         resolve_function(self.shard_weight, "shard_weight")
+        resolve_function(self.kv_handoff_cls, "kv_handoff_cls")
 
     def _check_disaggregated(self) -> None:
         """Prefill and decode in two worker processes (chapter 16): one rank each, a positive ack timeout."""

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE = ["config", "sampling_params", "sequence", "outputs", "block_manager", "scheduler", "simulator", "attention", "sampler",
         "detokenizer", "model_runner", "engine", "timing", "preemption", "simple_generation", "models/llama",
         "models/loader", "models/parallel", "copy_stream", "cuda_graphs", "distributed/workers", "distributed/protocol", "distributed/runner",
-        "kv_transfer", "disaggregation/link", "disaggregation/worker", "disaggregation/front"]
+        "kv_transfer", "disaggregation/link", "disaggregation/worker", "disaggregation/front",
+        "disaggregation/handoff"]
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:

@@ -112,6 +112,7 @@ def test_token_identical_to_one_engine_and_bytes_formula_equals_bytes_sent(tiny,
     received = after["decode"]["bytes_received"] - before["decode"]["bytes_received"]
     assert formula == sent == received
     assert after["prefill"]["transfers"] - before["prefill"]["transfers"] == 16
+    assert {i["handoff"] for i in tiny.engine.info.values()} == {"KVHandoff"}  # minivllm's rule, by default
 
 
 def test_stream_and_stepwise_outputs_are_one_stream(tiny, reference):
@@ -234,6 +235,9 @@ def test_refusals_name_the_field():
         EngineConfig(model="tiny-random", disaggregated=True, kv_transfer_timeout=0)
     with pytest.raises(ValueError, match="^disaggregated .*make_engine"):  # one process cannot be both workers
         LLMEngine(model="tiny-random", disaggregated=True)
+    for bad in (3, "minivllm.disaggregation.handoff.NoSuchHandoff"):
+        with pytest.raises(ValueError, match="^kv_handoff_cls must be None, a function or an importable dotted name"):
+            EngineConfig(model="tiny-random", disaggregated=True, kv_handoff_cls=bad)
 
 
 def test_sampling_options_it_cannot_split_are_refused_before_anything_changes(tiny):

@@ -60,14 +60,16 @@ class KVLink:
     transfers: int = 0
     empty_acks: int = 0
 
-    def handshake(self, fingerprint: dict, timeout: float) -> None:
-        """Swap fingerprints through the store; a different KV layout is refused, naming the field."""
+    def handshake(self, fingerprint: dict, timeout: float, check=check_fingerprints) -> None:
+        """Swap fingerprints through the store; ``check(prefill, decode)`` refuses a different KV layout.
+
+        Only a value signed by this launch reaches ``check`` (the handoff's, chapter 16's exercise)."""
         mine, other = f"fingerprint{self.rank}", f"fingerprint{1 - self.rank}"
         self.store.set(mine, self.signer.pack(self._signed(mine), fingerprint))
         self.store.wait([other], datetime.timedelta(seconds=timeout))
         theirs = self.signer.unpack(self._signed(other), self.store.get(other))
         prefill, decode = (fingerprint, theirs) if self.rank == PREFILL else (theirs, fingerprint)
-        check_fingerprints(prefill, decode)
+        check(prefill, decode)
 
     def _signed(self, key: str) -> str:
         """What a value's signature covers: its key and the epoch (a value from an earlier epoch is refused)."""

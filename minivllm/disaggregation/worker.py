@@ -8,9 +8,11 @@ stats, join a new epoch, shutdown), its engine's step, and transfers.
 
 - The prefill worker runs each prompt with ``max_tokens=1``. Its scheduler
   holds a finished request's blocks (:func:`~minivllm.kv_transfer.holding_scheduler`);
-  it sends the front the first token, then the KV to the decode worker,
-  and frees the blocks on the ack; on no ack within the timeout (or a dead
-  peer) it frees them too, the request fails, and it reports the link down.
+  it sends the front the first token, then the KV to the decode worker
+  through its handoff (:class:`~minivllm.disaggregation.handoff.KVHandoff`,
+  ``kv_handoff_cls``), which frees the blocks on the ack; on no ack within the
+  timeout (or a dead peer) it frees them too and the request fails; the
+  worker reports the link down.
 - The decode worker, between its steps, receives a posted transfer,
   allocates blocks, writes the KV and acknowledges (ACK_OWNED); from then on
   the request is its own. A request the front aborted gets an empty ack.
@@ -32,7 +34,8 @@ from dataclasses import replace
 
 import torch
 
-from minivllm.config import EngineConfig, resolve
+from minivllm.config import EngineConfig, resolve, resolve_function
+from minivllm.disaggregation.handoff import KVHandoff
 from minivllm.disaggregation.link import ACK_EMPTY, ACK_OWNED, DECODE, PREFILL, LinkError, open_link, presence_store
 from minivllm.distributed.workers import name_process, watch_parent
 from minivllm.engine import LLMEngine
@@ -81,6 +84,7 @@ class Worker:
 
     def __init__(self, config: EngineConfig, conn, port: int, epoch: int, timeout: float, secret: bytes):
         self.engine = LLMEngine(self.engine_config(config))
+        self.handoff = (resolve_function(config.kv_handoff_cls, "kv_handoff_cls") or KVHandoff)()
         self.conn, self.port, self.timeout, self.secret = conn, port, timeout, secret
         self.past = Counter()  # transfer counters of earlier epochs
         self.faults: dict[str, float] = {}  # fault point -> seconds to sleep there (-1: die there)
@@ -98,7 +102,7 @@ class Worker:
         self.link = None
         epoch = self.meet(epoch)
         link = open_link(self.port, self.role, epoch, JOIN_TIMEOUT, self.timeout, self.secret)
-        link.handshake(fingerprint(self.engine), JOIN_TIMEOUT)
+        link.handshake(fingerprint(self.engine), JOIN_TIMEOUT, self.handoff.check_fingerprints)
         self.link = link
         self.conn.send(("ready", epoch, self.info()))
 
@@ -129,7 +133,7 @@ class Worker:
         e = self.engine
         return {"pid": os.getpid(), "num_blocks": e.num_blocks, "max_model_len": e.max_model_len,
                 "vocab_size": e.vocab_size, "fingerprint": fingerprint(e),
-                "element_size": e.runner.kv_cache.k.element_size()}
+                "element_size": e.runner.kv_cache.k.element_size(), "handoff": type(self.handoff).__name__}
 
     def fault(self, point: str) -> None:
         """A fault the tests inject at a named point: sleep there, or die there (SIGKILL, a real crash)."""
@@ -243,25 +247,38 @@ class PrefillWorker(Worker):
         self.fault("prefill:mid_send")
 
     def transfer(self, out, params, first_token: int) -> None:
-        """Send the held KV; free it on the ack, on a timeout or on a dead peer (then the request fails)."""
+        """Send the held KV through the handoff, which frees it on the ack, a timeout or a dead peer."""
         rid = out.request_id
         header = {"request_id": rid, "prompt_ids": list(out.prompt_token_ids), "params": params_to_json(params),
                   "first_token": first_token, "generator": generator_state(self.engine, rid)}
+        self.fault("prefill:before_send")
+        self.drain()  # an abort that came meanwhile: nothing is sent (the blocks were released)
+        if rid not in held(self.engine):
+            return
+        errors = []
+        ack = self.handoff.transfer(rid, lambda: self.send(rid, header), lambda: release(self.engine, rid),
+                                    errors.append)
+        if errors:
+            self.conn.send(("failed", rid, self.failure(rid, errors[0])))
+        elif ack is not None:
+            self.conn.send(("sent", rid, ack))
+
+    def send(self, rid: str, header: dict) -> int:
+        """The handoff's ``send()``: header, KV, ack over the link; a LinkError reports the link down, then goes on."""
+        if self.link is None:
+            raise LinkError("the KV link is down (this transfer already failed)")
         try:
-            self.fault("prefill:before_send")
-            self.drain()  # an abort that came meanwhile: nothing is sent (the blocks were released)
-            if rid not in held(self.engine):
-                return
-            ack = self.link.send_kv(header, read_kv(self.engine, rid), lambda: self.posted(rid))
+            return self.link.send_kv(header, read_kv(self.engine, rid), lambda: self.posted(rid))
         except LinkError as e:
-            release(self.engine, rid)
             epoch, self.link = self.link.epoch, None
             self.conn.send(("link_down", str(e), epoch))  # first: the front restarts the peer, then fails the request
-            self.conn.send(("failed", rid, f"KV transfer to the decode worker failed: {e}; the prefill worker "
-                                           f"freed the request's blocks"))
-            return
-        release(self.engine, rid)
-        self.conn.send(("sent", rid, ack))
+            raise
+
+    def failure(self, rid: str, error) -> str:
+        """The failed request's message: the link's error, and whether its blocks are free (as they now are)."""
+        holder = held(self.engine).get(rid)
+        blocks = "freed the request's blocks" if holder is None else f"still holds its {len(holder.block_table)} blocks"
+        return f"KV transfer to the decode worker failed: {error}; the prefill worker {blocks}"
 
 
 class DecodeWorker(Worker):

@@ -13,13 +13,15 @@ that differ.
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import pickle
 import random
 from pathlib import Path
 
 from minivllm.engine import LLM
 from minivllm.sampling_params import SamplingParams
 
-__all__ = ["PARTS_DIR", "load_part", "SpawnablePart", "chat_prompts", "greedy", "drive", "check_live"]
+__all__ = ["PARTS_DIR", "load_part", "SpawnablePart", "spawnable", "chat_prompts", "greedy", "drive", "check_live"]
 
 PARTS_DIR = Path("your_engine")  # next to the notebooks: each exercise writes its part here
 TOPICS = ["the sea", "paged attention", "prime numbers", "a cat", "Paris", "rust and python", "the moon landing",
@@ -56,6 +58,29 @@ class SpawnablePart:
 
     def __reduce__(self):
         return SpawnablePart, (self.module, self.name, self.parts_dir)
+
+
+def spawnable(part, what: str):
+    """``part`` (a function or a class) as a spawned worker receives it: itself when it pickles, a
+    :class:`SpawnablePart` when :func:`load_part` loaded it (from the folder its file is in; chapters 15, 16)."""
+    try:
+        pickle.dumps(part)
+        return part
+    except (pickle.PicklingError, AttributeError, TypeError):
+        module = getattr(part, "__module__", "") or ""
+        if module.startswith("your_engine_"):
+            return SpawnablePart(module.removeprefix("your_engine_"), part.__name__, _folder(part))
+        raise AssertionError(f"{what} must be defined at the top level of a module (or of a your_engine/ file "
+                             "loaded with load_part): the worker processes import it") from None
+
+
+def _folder(part) -> Path:
+    """The folder of the file ``part`` was loaded from (a class's: its methods')."""
+    for f in list(vars(part).values()) if inspect.isclass(part) else [part]:
+        code = getattr(f, "__code__", None)
+        if code is not None:
+            return Path(code.co_filename).parent
+    return PARTS_DIR
 
 
 def chat_prompts(tokenizer, n: int = 16, seed: int = 0, note_words: tuple[int, int] = (100, 200)) -> list[list[int]]:

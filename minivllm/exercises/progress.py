@@ -25,6 +25,7 @@ from minivllm.exercises.block_manager import check_block_manager
 from minivllm.exercises.chunked_prefill import check_chunked_prefill
 from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
 from minivllm.exercises.continuous_batching import check_scheduler
+from minivllm.exercises.disaggregation import check_kv_handoff
 from minivllm.exercises.kv_cache_memory import check_kv_bytes_per_token, check_paged_waste
 from minivllm.exercises.kv_offload import check_offload_tier
 from minivllm.exercises.live import PARTS_DIR, load_part
@@ -74,6 +75,7 @@ PARTS = [
     Part("14", "offload_tier", "MyOffloadTier", check_offload_tier, "CPU offload tier of the prefix cache",
          "offload_tier_cls"),
     Part("15", "tensor_parallel", "shard_weight", check_shard_weight, "tensor-parallel shards of a Llama layer"),
+    Part("16", "disaggregation", "MyHandoff", check_kv_handoff, "KV handoff: ownership and fingerprints"),
 ]
 
 

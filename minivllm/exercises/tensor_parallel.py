@@ -5,14 +5,11 @@ slicing, then inside the live engine on two gloo ranks (``EngineConfig.shard_wei
 
 from __future__ import annotations
 
-import pickle
-from pathlib import Path
-
 import torch
 from transformers import LlamaConfig
 
 from minivllm.engine import LLM
-from minivllm.exercises.live import PARTS_DIR, SpawnablePart, _reference, drive, greedy
+from minivllm.exercises.live import _reference, drive, greedy, spawnable
 from minivllm.models import TensorParallelGroup
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.loader import read_slice
@@ -108,25 +105,10 @@ def _check_targeted(fn) -> int:
     return cases
 
 
-def _spawnable(fn):
-    """``fn`` as the workers can receive it: itself when it pickles, a :class:`SpawnablePart` when load_part loaded it."""
-    try:
-        pickle.dumps(fn)
-        return fn
-    except (pickle.PicklingError, AttributeError, TypeError):
-        module = getattr(fn, "__module__", "") or ""
-        if module.startswith("your_engine_"):  # loaded by load_part: from the folder its file is in
-            source = getattr(getattr(fn, "__code__", None), "co_filename", None)
-            folder = Path(source).parent if source else PARTS_DIR
-            return SpawnablePart(module.removeprefix("your_engine_"), fn.__name__, folder)
-        raise AssertionError("shard_weight must be a function at the top level of a module (or of a your_engine/ "
-                             "file loaded with load_part): the worker processes import it") from None
-
-
 def _check_live(fn, model: str, world: int, requests, options: dict) -> str:
     expected, _, _ = _reference(model, options, requests)  # one process, the whole model
     what = f"your shard_weight in the live engine ({model}, tensor_parallel_size={world})"
-    with LLM(model, tensor_parallel_size=world, shard_weight=_spawnable(fn), **options) as llm:
+    with LLM(model, tensor_parallel_size=world, shard_weight=spawnable(fn, "shard_weight"), **options) as llm:
         outputs, schedule = drive(llm, requests, what)
     for rid, want in expected.items():
         if outputs[rid] != want:

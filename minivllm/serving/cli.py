@@ -64,6 +64,8 @@ FIELD_HELP = {
     "graph_runner_cls": "decode CUDA graph runner class (static buffers, padding), as a dotted name",
     "shard_weight": "tensor-parallel sharding function (rank r's shard of a checkpoint tensor), as a dotted name "
                     "(default: None, minivllm's own slicing)",
+    "kv_handoff_cls": "disaggregated KV handoff class (when the prefill worker frees a transfer's blocks, the "
+                      "fingerprint check), as a dotted name (default: None, minivllm's KVHandoff)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (default: None, off)',
 }
