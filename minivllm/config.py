@@ -98,9 +98,10 @@ class EngineConfig:
     Extension points (as vLLM's ``scheduler_cls``): ``scheduler_cls``,
     ``block_manager_cls``, ``attention_backend`` (the paged KV cache class),
     ``sampler``, ``detokenizer`` (the incremental detokenizer class),
-    ``offload_tier_cls`` (the CPU tier's bookkeeping, chapter 14) and
+    ``offload_tier_cls`` (the CPU tier's bookkeeping, chapter 14),
     ``graph_runner_cls`` (the static buffers of decode steps replayed as CUDA
-    graphs, chapter 12) take a class or its dotted name; ``shard_weight``
+    graphs, chapter 12) and ``spec_acceptor_cls`` (what a verified draft keeps
+    and the rollback of the rest, chapter 17) take a class or its dotted name; ``shard_weight``
     (rank r's shard of a checkpoint tensor, chapter 15) a function or its
     dotted name, None for minivllm's own slicing. The
     defaults are minivllm's own, built through the same code path; the
@@ -180,6 +181,7 @@ class EngineConfig:
     detokenizer: type | str = "minivllm.detokenizer.IncrementalDetokenizer"
     offload_tier_cls: type | str = "minivllm.kv_tier.OffloadTier"
     graph_runner_cls: type | str = "minivllm.cuda_graphs.DecodeGraphRunner"
+    spec_acceptor_cls: type | str = "minivllm.spec_decode.SpecAcceptor"
     shard_weight: object = None  # None: minivllm's own slicing; else a function or its dotted name (chapter 15)
 
     def __post_init__(self):
@@ -225,7 +227,7 @@ class EngineConfig:
     def _check_extension_points(self) -> None:
         """Every class extension point resolves to a class, ``shard_weight`` to None or a function."""
         for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer",
-                     "offload_tier_cls", "graph_runner_cls"):
+                     "offload_tier_cls", "graph_runner_cls", "spec_acceptor_cls"):
             resolve(getattr(self, name), name)
         resolve_function(self.shard_weight, "shard_weight")
 
