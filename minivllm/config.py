@@ -98,9 +98,10 @@ class EngineConfig:
     Extension points (as vLLM's ``scheduler_cls``): ``scheduler_cls``,
     ``block_manager_cls``, ``attention_backend`` (the paged KV cache class),
     ``sampler``, ``detokenizer`` (the incremental detokenizer class),
-    ``offload_tier_cls`` (the CPU tier's bookkeeping, chapter 14) and
+    ``offload_tier_cls`` (the CPU tier's bookkeeping, chapter 14),
     ``graph_runner_cls`` (the static buffers of decode steps replayed as CUDA
-    graphs, chapter 12) take a class or its dotted name; ``shard_weight``
+    graphs, chapter 12) and ``spec_acceptor_cls`` (what a verified draft keeps
+    and the rollback of the rest, chapter 17) take a class or its dotted name; ``shard_weight``
     (rank r's shard of a checkpoint tensor, chapter 15) a function or its
     dotted name, None for minivllm's own slicing; ``kv_handoff_cls`` (who
     frees a transfer's blocks when, and the fingerprint check, in the
@@ -183,6 +184,7 @@ class EngineConfig:
     detokenizer: type | str = "minivllm.detokenizer.IncrementalDetokenizer"
     offload_tier_cls: type | str = "minivllm.kv_tier.OffloadTier"
     graph_runner_cls: type | str = "minivllm.cuda_graphs.DecodeGraphRunner"
+    spec_acceptor_cls: type | str = "minivllm.spec_decode.SpecAcceptor"
     shard_weight: object = None  # None: minivllm's own slicing; else a function or its dotted name (chapter 15)
     kv_handoff_cls: object = None  # None: minivllm's KVHandoff; else what builds one, or its dotted name (chapter 16)
 
@@ -230,7 +232,7 @@ class EngineConfig:
         """Every class extension point resolves to a class, ``shard_weight`` and ``kv_handoff_cls`` to None or a
         callable."""
         for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer",
-                     "offload_tier_cls", "graph_runner_cls"):
+                     "offload_tier_cls", "graph_runner_cls", "spec_acceptor_cls"):
             resolve(getattr(self, name), name)
         resolve_function(self.shard_weight, "shard_weight")
         resolve_function(self.kv_handoff_cls, "kv_handoff_cls")

@@ -117,8 +117,10 @@ class LLMEngine:
         args = (self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
                 resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
         if self.workers is None:  # compile_attention: decode attention read in place, compiled (chapter 12)
+            acceptor = getattr(self.scheduler, "acceptor", None)  # chapter 17: the greedy acceptance rule
             self.runner = ModelRunner(*args, compile_attention=config.compile_attention, **tier,
-                                      graph_runner_cls=resolve(config.graph_runner_cls))
+                                      graph_runner_cls=resolve(config.graph_runner_cls),
+                                      accept=acceptor.accept if acceptor is not None else None)
         else:
             self.runner = TensorParallelRunner(self.workers, *args)
         if config.use_cuda_graphs and self.workers is None:  # decode steps replay CUDA graphs (chapter 12)
@@ -377,8 +379,7 @@ class LLMEngine:
             if stop is not None:
                 after = len(new) - i - 1
                 if after:  # plain decoding would have stopped here: the tokens after it never happened
-                    seq.drop_last_tokens(after)
-                    new = new[:i + 1]
+                    new = self.scheduler.acceptor.cut_at_stop(seq, new, i)
                     if seq.is_finished:  # ended later in the run (length, EOS): the stop string came first
                         seq.status = SequenceStatus.FINISHED_STOPPED
                 break

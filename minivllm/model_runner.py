@@ -31,6 +31,7 @@ from minivllm.cuda_graphs import DecodeGraphRunner
 from minivllm.sampler import Sampler, SamplerOutput, verify_drafts
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
+from minivllm.spec_decode import accept_greedy
 
 
 def _noop_mark(name: str) -> None:
@@ -55,8 +56,9 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  kv_cache_cls=PagedKVCache, sampler=None, num_offload_blocks: int = 0, compile_attention: bool = False,
-                 graph_runner_cls=DecodeGraphRunner):
+                 graph_runner_cls=DecodeGraphRunner, accept=None):
         self.model = model
+        self.accept = accept or accept_greedy  # a greedy row's acceptance rule (chapter 17's SpecAcceptor.accept)
         self.graph_runner_cls = graph_runner_cls  # an extension point (exercise 12): what enable_decode_graphs builds
         self.device = model.lm_head.weight.device
         self.block_size = block_size
@@ -154,7 +156,7 @@ class ModelRunner:
             if plain else SamplerOutput([], [])
         default = getattr(self.sampler, "generator", None)
         kept = {id(c): verify_drafts(logits[r:r + len(c.spec_token_ids) + 1], c.spec_token_ids, c.seq.params,
-                                     c.seq.generator or default) for c, r in drafted}
+                                     c.seq.generator or default, self.accept) for c, r in drafted}
         tokens, logprobs = iter(sampled.token_ids), iter(sampled.logprobs or [None] * len(seqs))
         out = SamplerOutput([], [], [])
         for c in chunks:

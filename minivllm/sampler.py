@@ -76,11 +76,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
 
 def verify_drafts(logits: torch.Tensor, draft: list[int], params: SamplingParams,
-                  generator: torch.Generator | None) -> list[int]:
+                  generator: torch.Generator | None, accept=accept_greedy) -> list[int]:
     """The tokens a row keeps from its ``draft``: ``logits [len(draft) + 1, vocab]`` are the target's after the
     sequence and each draft prefix. Returns the accepted drafts and one more token (1 to ``len(draft) + 1``).
 
-    Greedy: :func:`minivllm.spec_decode.accept_greedy` on the argmaxes. Above
+    Greedy: ``accept`` (:func:`minivllm.spec_decode.accept_greedy`, or the
+    engine's ``SpecAcceptor.accept``, chapter 17's extension point) on the argmaxes. Above
     temperature 0, with ``p`` the target's (filtered) distribution: draft
     ``x`` is accepted with probability ``p(x)`` (the draft is a point mass,
     ``q(x) = 1``); at the first rejection the token is drawn from the residual
@@ -89,7 +90,7 @@ def verify_drafts(logits: torch.Tensor, draft: list[int], params: SamplingParams
     exactly the distribution plain sampling gives it.
     """
     if params.greedy:
-        return accept_greedy(draft, logits.max(dim=-1).indices.tolist())
+        return accept(draft, logits.max(dim=-1).indices.tolist())
     rows, device = logits.shape[0], logits.device
     top_k = torch.full((rows,), params.top_k, device=device)
     top_p = torch.full((rows,), params.top_p, device=device, dtype=logits.dtype)

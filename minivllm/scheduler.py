@@ -59,7 +59,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from minivllm.block_manager import BlockManager
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, resolve
 from minivllm.sequence import Sequence, SequenceStatus
 from minivllm.spec_decode import SpecDecodingStats, backoff_steps, propose_ngram
 
@@ -207,6 +207,7 @@ class Scheduler:
         self._copied_into: list[Sequence] = []
         self.spec = config.speculative_config  # chapter 17: None, or how to draft
         self.spec_stats = SpecDecodingStats(self.spec.num_speculative_tokens) if self.spec else None
+        self.acceptor = resolve(config.spec_acceptor_cls, "spec_acceptor_cls")(block_manager) if self.spec else None
 
     # -- queues --------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -441,19 +442,17 @@ class Scheduler:
 
     def _append_verified(self, seq: Sequence, drafts: list[int], accepted: int, bonus: int, now: float) -> None:
         """Append ``drafts[:accepted]`` and the bonus token, stopping where a stop condition ends the request;
-        then roll back: blocks past the accepted tokens (rejected drafts' KV only) go back to the pool (chapter 17)."""
+        then roll back: blocks past the accepted tokens (rejected drafts' KV only) go back to the pool (chapter 17).
+        The acceptor does both (``SpecAcceptor.commit``, an extension point); ``append`` is one token."""
         self.spec_stats.observe_draft(len(drafts), accepted)
-        tokens = drafts[:accepted] + [bonus]
         seq.new_token_count = 0
-        for i, token in enumerate(tokens):
+
+        def append(token: int) -> bool:
             self._append_token(seq, token, None, now)
             seq.new_token_count += 1
-            if seq.is_finished:  # its blocks are free already
-                return
-            if i < accepted:  # its KV, written by the verification, is now the sequence's own
-                seq.cached_token_count += 1
-                self.block_manager.register_computed_blocks(seq)
-        self.block_manager.truncate(seq, seq.cached_token_count)
+            return seq.is_finished  # its blocks are free already
+
+        self.acceptor.commit(seq, drafts[:accepted] + [bonus], append)
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """``child`` (another sample of ``parent``'s request) starts from ``parent``'s prompt blocks."""

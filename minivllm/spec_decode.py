@@ -11,16 +11,17 @@ tokens a step, exactly the tokens plain decoding makes.
 Where the rest lives: the scheduler asks :func:`propose_ngram` for a running
 sequence's drafts and books their slots (``Scheduler.schedule_running``); the
 model runner verifies them (``sampler.verify_drafts``: greedy through
-:func:`accept_greedy`, rejection sampling above temperature 0); the
-scheduler's ``update`` appends what was accepted and rolls the rest back
-(``BlockManager.truncate``). Pure Python: no tensors here.
+:meth:`SpecAcceptor.accept`, rejection sampling above temperature 0); the
+scheduler's ``update`` has :meth:`SpecAcceptor.commit` append what was
+accepted and roll the rest back (``BlockManager.truncate``). Pure Python: no
+tensors here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["propose_ngram", "accept_greedy", "backoff_steps", "MAX_BACKOFF_STEPS", "SpecDecodingStats"]
+__all__ = ["propose_ngram", "accept_greedy", "backoff_steps", "MAX_BACKOFF_STEPS", "SpecAcceptor", "SpecDecodingStats"]
 
 MAX_BACKOFF_STEPS = 8  # the longest a sequence whose drafts keep failing waits before it is drafted again
 
@@ -67,6 +68,52 @@ def backoff_steps(misses: int) -> int:
     within eight steps.
     """
     return 0 if misses <= 0 else min(2 ** (misses - 1), MAX_BACKOFF_STEPS)
+
+
+class SpecAcceptor:
+    """What a verified decode row keeps, and the rollback of the rest (chapter 17; an extension point,
+    ``EngineConfig(spec_acceptor_cls=...)``, built by the scheduler with its block manager).
+
+    The model runner calls :meth:`accept` for a greedy row; the scheduler's
+    ``update`` calls :meth:`commit` for every verified row; the engine, which
+    owns the text, calls :meth:`cut_at_stop` when a stop string ends inside
+    the run. Exercise 17 has the reader write all four.
+    """
+
+    def __init__(self, block_manager):
+        self.block_manager = block_manager
+
+    def accept(self, draft: list[int], target: list[int]) -> list[int]:
+        """Greedy acceptance (:func:`accept_greedy`): ``target[i]`` is the model's argmax after ``draft[:i]``."""
+        return accept_greedy(draft, target)
+
+    def commit(self, seq, tokens: list[int], append) -> None:
+        """Append ``tokens`` (the accepted drafts, then the bonus token) to ``seq``, then roll back.
+
+        ``append(token)`` appends one token, applies stop tokens, EOS and
+        ``max_tokens``, and returns True when that ended the request (its
+        blocks are then free). On entry ``seq.cached_token_count`` counts the
+        tokens before the drafts, whose KV the verification wrote in the next
+        slots: an accepted draft's KV is the sequence's own, the bonus token's
+        is not written yet.
+        """
+        for i, token in enumerate(tokens):
+            if append(token):
+                return
+            if i < len(tokens) - 1:  # an accepted draft: its KV is now the sequence's, its full block cacheable
+                seq.cached_token_count += 1
+                self.block_manager.register_computed_blocks(seq)
+        self.rollback(seq, seq.cached_token_count)
+
+    def rollback(self, seq, num_tokens: int) -> None:
+        """Return ``seq``'s blocks past its first ``num_tokens`` tokens to the pool (``BlockManager.truncate``)."""
+        self.block_manager.truncate(seq, num_tokens)
+
+    def cut_at_stop(self, seq, new_tokens: list[int], i: int) -> list[int]:
+        """A stop string ended at ``new_tokens[i]``, this step's ``i``-th new token: plain decoding stops there, so
+        the tokens after it never happened. Returns the new tokens the request keeps."""
+        seq.drop_last_tokens(len(new_tokens) - i - 1)
+        return new_tokens[:i + 1]
 
 
 @dataclass

@@ -725,3 +725,64 @@ def plot_tp_split(tp: int = 3, ax=None):
     ax.axis("off")
     ax.set_title(f"column then row over {tp} ranks (colour = rank): one all-reduce for the pair", fontsize=9)
     return ax
+
+
+# Chapter 17: a verified decode row on the block table -------------------------------------------------
+
+__all__ += ["SPEC_KINDS", "spec_frame", "plot_spec_rollback"]
+
+SPEC_KINDS = {  # what a slot holds, drawn in this colour, with this legend
+    "computed": ("#92c5de", "KV of a token of the sequence"),
+    "last": ("#fdb863", "the last token: its KV is computed in this step"),
+    "draft": ("#f4a582", "a draft: verified in this step (its KV written)"),
+    "accepted": ("#4dac26", "an accepted draft: its KV is the sequence's"),
+    "bonus": ("#ffffbf", "the bonus token: the sequence's, its KV next step"),
+    "rejected": ("#d7191c", "a rejected draft's stale KV: rewritten next step"),
+    "empty": ("#ffffff", "an empty slot"),
+}
+
+
+def spec_frame(seq, block_manager, label: str, marks: dict | None = None, released=()) -> dict:
+    """One moment of a sequence's block table for :func:`plot_spec_rollback`: every slot's kind (``marks``, position
+    -> kind of :data:`SPEC_KINDS`, else "computed" below ``seq.cached_token_count`` and "empty" above), the blocks
+    registered in the prefix cache, and ``released`` blocks (gone back to the pool)."""
+    bs, marks = block_manager.block_size, marks or {}
+    kinds = [marks.get(p, "computed" if p < seq.cached_token_count else "empty")
+             for p in range(len(seq.block_table) * bs)]
+    registered = {i for i, b in enumerate(seq.block_table) if block_manager.blocks[b].hash is not None}
+    return {"label": label, "blocks": list(seq.block_table), "kinds": kinds, "registered": registered,
+            "released": list(released)}
+
+
+def plot_spec_rollback(frames, block_size: int, ax=None, title=None):
+    """A verified decode row step by step (chapter 17): one row per frame (:func:`spec_frame`), each block of the
+    sequence a box of ``block_size`` slots coloured by what they hold, a bold edge for a block in the prefix cache,
+    and the released blocks, hatched, on the right."""
+    width = max(len(f["blocks"]) + len(f["released"]) for f in frames) * (block_size + 1) + 1
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(13, 1.2 + 0.32 * width), 0.9 + 1.1 * len(frames)))
+    for r, frame in enumerate(frames):
+        y = 1.25 * (len(frames) - 1 - r)
+        ax.text(-0.4, y + 0.35, frame["label"], ha="right", va="center", fontsize=8)
+        for i, block in enumerate(frame["blocks"]):
+            x0 = i * (block_size + 1)
+            for s in range(block_size):
+                kind = frame["kinds"][i * block_size + s]
+                ax.add_patch(plt.Rectangle((x0 + s, y), 1, 0.7, facecolor=SPEC_KINDS[kind][0], edgecolor="grey"))
+            cached = i in frame["registered"]
+            ax.add_patch(plt.Rectangle((x0, y), block_size, 0.7, fill=False, edgecolor="black",
+                                       linewidth=2.2 if cached else 0.8))
+            ax.text(x0 + block_size / 2, y + 0.82, f"block {block}" + (" (cached)" if cached else ""),
+                    ha="center", fontsize=7)
+        for j, block in enumerate(frame["released"]):
+            x0 = (len(frame["blocks"]) + j) * (block_size + 1)
+            ax.add_patch(plt.Rectangle((x0, y), block_size, 0.7, facecolor="#eeeeee", edgecolor="grey",
+                                       hatch="//"))
+            ax.text(x0 + block_size / 2, y + 0.82, f"block {block}: back to the pool", ha="center", fontsize=7)
+    handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="grey") for c, _ in SPEC_KINDS.values()]
+    ax.legend(handles, [t for _, t in SPEC_KINDS.values()], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    ax.set_xlim(-0.2, width)
+    ax.set_ylim(-0.2, 1.25 * len(frames))
+    ax.axis("off")
+    ax.set_title(title or "one verified decode row on the block table", fontsize=9)
+    return ax

@@ -140,6 +140,8 @@ DIVERGENCES = {
     "stop-token text": (r"stop_token_ids", "vllm/v1/engine/detokenizer.py"),
     "metric names": (r"`vllm:\w+`|vLLM's names", "vllm/v1/metrics/loggers.py"),
     "prefix-cache hashing": (r"SHA-256|sha256", "vllm/config/cache.py"),
+    "draft lookup": (r"latest earlier occurrence", "vllm/v1/spec_decode/ngram_proposer.py"),
+    "spec-decode rollback": (r"back to the pool", "vllm/v1/core/sched/scheduler.py"),
 }
 BOX = re.compile(r"```\{admonition\} How vLLM does it\n(.*?)```", re.S)
 

@@ -72,3 +72,34 @@ def test_paged_batch_draws_the_flat_tokens_and_each_group():
         assert len(hatched) == padding
         (image,) = right.get_images()
         assert image.get_array().shape == (rows * group.mask.shape[1], group.mask.shape[2])
+
+
+def test_spec_rollback_draws_each_slot_the_cached_blocks_and_the_released_ones():
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.scheduler import SchedulerOutput
+    from minivllm.sequence import Sequence
+    from minivllm.simulator import make_scheduler
+    from minivllm.viz import plot_spec_rollback, spec_frame
+
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 2}
+    sched = make_scheduler(8, block_size=4, enable_prefix_caching=True, speculative_config=spec)
+    bm, seq = sched.block_manager, Sequence("r", list(range(10, 16)), SamplingParams(temperature=0.0, max_tokens=9))
+    sched.add(seq)
+    sched.update(sched.schedule(), [40])
+    assert bm.allocate(seq, 7 + 4)
+    out = SchedulerOutput()
+    out.add(sched.chunk(seq, 1, [50, 51, 52, 53]))
+    before = spec_frame(seq, bm, "scheduled", {6: "last", **{p: "draft" for p in range(7, 11)}})
+    table = list(seq.block_table)
+    sched.update(out, [60], None, [1])  # one draft accepted: block 2 held only rejected drafts
+    after = spec_frame(seq, bm, "rolled back", {7: "accepted", 8: "bonus"}, released=table[2:])
+    assert before["kinds"] == ["computed"] * 6 + ["last"] + ["draft"] * 4 + ["empty"]
+    assert after["kinds"] == ["computed"] * 7 + ["accepted"] and after["registered"] == {0, 1}
+    assert after["released"] == [table[2]] and table[2] in bm.free_blocks
+    ax = plot_spec_rollback([before, after], block_size=4)
+    thick = [p for p in _rectangles(ax) if not p.get_fill() and p.get_linewidth() > 2]
+    hatched = [p for p in _rectangles(ax) if p.get_hatch()]
+    assert len(thick) == 1 + 2 and len(hatched) == 1  # block 0 cached before, blocks 0 and 1 after; the released one
+    assert len([p for p in _rectangles(ax) if p.get_fill() and not p.get_hatch()]) == 12 + 8
+    shown = " ".join(t.get_text() for t in ax.texts)
+    assert f"block {table[2]}: back to the pool" in shown and "(cached)" in shown

@@ -23,6 +23,7 @@ from minivllm.exercises.preemption import check_preemption
 from minivllm.exercises.prefill_decode import check_generate_cached
 from minivllm.exercises.prefix_caching import check_prefix_cache
 from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
+from minivllm.exercises.spec_decode import check_spec_acceptor
 from minivllm.exercises.tensor_parallel import check_shard_weight
 from minivllm.exercises.where_time_goes import check_graph_runner
 
@@ -43,4 +44,5 @@ __all__ = [
     "check_offload_tier",  # 14 KV offload
     "check_shard_weight",  # 15 tensor parallelism
     "check_kv_handoff",  # 16 prefill/decode disaggregation
+    "check_spec_acceptor",  # 17 speculative decoding
 ]

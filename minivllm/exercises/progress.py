@@ -34,6 +34,7 @@ from minivllm.exercises.preemption import check_preemption
 from minivllm.exercises.prefill_decode import check_generate_cached
 from minivllm.exercises.prefix_caching import check_prefix_cache
 from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
+from minivllm.exercises.spec_decode import check_spec_acceptor
 from minivllm.exercises.tensor_parallel import check_shard_weight
 from minivllm.exercises.where_time_goes import check_graph_runner
 
@@ -76,6 +77,8 @@ PARTS = [
          "offload_tier_cls"),
     Part("15", "tensor_parallel", "shard_weight", check_shard_weight, "tensor-parallel shards of a Llama layer"),
     Part("16", "disaggregation", "MyHandoff", check_kv_handoff, "KV handoff: ownership and fingerprints"),
+    Part("17", "spec_decode", "MySpecAcceptor", check_spec_acceptor, "speculative decoding: accept, rollback",
+         "spec_acceptor_cls"),
 ]
 
 
