@@ -10,13 +10,16 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
+from minivllm.exercises.live import PARTS_DIR, load_part
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import RequestMetrics
 from minivllm.serving.engine_loop import EngineLoop
 
-__all__ = ["check_engine_loop"]
+__all__ = ["check_engine_loop", "your_loop", "served"]
 
 MODEL = "tiny-random"  # the loop's behaviour does not depend on the weights: the fastest model there is
 OPTIONS = dict(block_size=16, num_blocks=1024, max_num_seqs=4, device="cpu")
@@ -307,17 +310,17 @@ def _check_refused(cls) -> None:
 class _Server:
     """The real app (FastAPI on uvicorn, in a thread of this process) over AsyncLLM turning ``loop_cls``."""
 
-    def __init__(self, engine, loop_cls):
+    def __init__(self, engine, loop_cls, model: str = MODEL):
         import uvicorn
 
         from minivllm.serving import AsyncLLM, OpenAIServing, ServerMetrics, build_app
 
-        self.metrics = ServerMetrics(MODEL)
+        self.metrics = ServerMetrics(model)
         self.llm = AsyncLLM(engine, metrics=self.metrics, loop_cls=loop_cls)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        app = build_app(OpenAIServing(self.llm, MODEL), self.metrics)
+        app = build_app(OpenAIServing(self.llm, model), self.metrics)
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="error", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="exercise-13-server")
@@ -449,3 +452,40 @@ def check_engine_loop(cls) -> None:
           "turns).")
     summary = _check_live(cls)
     print(f"check_engine_loop: the live server with your loop: {summary}.")
+
+
+# -- the second capstone: your engine, served through your loop ---------------------------------------------------
+
+def your_loop(parts_dir: Path = PARTS_DIR) -> type:
+    """The reader's ``MyEngineLoop`` from ``your_engine/engine_loop.py`` when it is written and passes the targeted
+    turns; else minivllm's ``EngineLoop``. Prints which, and why."""
+    from minivllm.exercises.progress import stubs
+
+    path = Path(parts_dir) / "engine_loop.py"
+    if not path.exists():
+        problem = "missing (run exercise 13 first)"
+    else:
+        cls = load_part("engine_loop", "MyEngineLoop", parts_dir)
+        problem = "not written yet" if stubs(cls) else None
+        try:
+            for case in (_check_idle, _check_adds, _check_routing, _check_aborts, _check_refused):
+                if problem is None:
+                    case(cls)
+        except NotImplementedError:
+            problem = "not written yet"
+        except AssertionError as e:
+            problem = f"fails: {str(e).splitlines()[0][:160]}"
+    what = "the server's engine loop (AsyncLLM)"
+    print(f"13 {what:40} " + ("yours" if problem is None else f"minivllm's: yours is {problem}"))
+    return cls if problem is None else EngineLoop
+
+
+@contextmanager
+def served(engine, loop_cls=EngineLoop, model: str = "smollm2-135m"):
+    """The OpenAI-compatible server over ``engine`` with ``AsyncLLM(loop_cls=...)``, in a thread of this process on
+    127.0.0.1 at a free port; yields it (``.url``, ``.llm`` the AsyncLLM, ``.idle()``) and always stops it."""
+    server = _Server(engine, loop_cls, model)
+    try:
+        yield server
+    finally:
+        server.stop()
