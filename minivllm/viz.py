@@ -599,7 +599,7 @@ def plot_serving_paths(ax=None):
     ax.add_patch(plt.Rectangle((0.1, 0.1), 4.6, 3.6, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
     ax.text(2.4, 3.5, "event loop thread (uvicorn + FastAPI)", ha="center", fontsize=8, color="#555555")
     ax.add_patch(plt.Rectangle((5.6, 0.1), 4.9, 3.6, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
-    ax.text(8.05, 3.5, "engine loop thread (AsyncLLM._run)", ha="center", fontsize=8, color="#555555")
+    ax.text(8.05, 3.5, "engine loop thread (EngineLoop.turn)", ha="center", fontsize=8, color="#555555")
     for k, y in enumerate((2.6, 1.7, 0.8)):
         _box(ax, (1.2, y), f"handler, request {k}", "#f5e6d3" if k else "#fbd3a5", width=1.8, height=0.6)
         _box(ax, (3.6, y), f"asyncio.Queue {k}", "#dff0d8" if k else "#b9e0a5", width=1.7, height=0.6)
@@ -607,7 +607,7 @@ def plot_serving_paths(ax=None):
     _box(ax, (6.5, 2.6), "inbox\n(new, aborts)", "#dce9f5", width=1.3, height=0.7)
     _box(ax, (8.6, 2.6), "LLMEngine.step()\nschedule, forward,\nsample, detokenize", "#dce9f5", width=2.1,
          height=1.0)
-    _box(ax, (8.6, 0.9), "_route: each output\nto its request's queue", "#dce9f5", width=2.1, height=0.8)
+    _box(ax, (8.6, 0.9), "route: each output\nto its request's queue", "#dce9f5", width=2.1, height=0.8)
     _arrow(ax, (7.15, 2.6), (7.55, 2.6))
     _arrow(ax, (8.6, 2.1), (8.6, 1.3))
     _arrow(ax, (9.65, 0.9), (9.65, 2.1), "next step", color="#888888", rad=0.6, text_dy=0.0)

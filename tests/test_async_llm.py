@@ -12,7 +12,7 @@ import time
 import pytest
 
 from minivllm import LLM, LLMEngine, SamplingParams
-from minivllm.serving import AsyncLLM, QueueFull, ServerShuttingDown
+from minivllm.serving import AsyncLLM, EngineLoop, QueueFull, ServerShuttingDown
 
 from helpers import greedy
 
@@ -190,3 +190,31 @@ def test_a_busy_loop_refreshes_the_gauges_and_an_idle_one_makes_them_exact():
         assert wait_until(lambda: gauges() == (0, 0)), f"the idle loop left the gauges at {gauges()}"
     finally:
         llm.close()
+
+
+class CountingLoop(EngineLoop):
+    """A reader's engine loop (exercise 13): minivllm's, counting its turns that stepped."""
+
+    steps = 0
+
+    def turn(self):
+        outputs = super().turn()
+        type(self).steps += outputs is not None
+        return outputs
+
+
+def test_loop_cls_plugs_in_an_engine_loop_subclass(offline):
+    llm = AsyncLLM(LLMEngine(model="tiny-random", **OPTIONS), loop_cls=CountingLoop)
+    try:
+        assert type(llm.loop) is CountingLoop
+        outs = asyncio.run(collect(llm, PROMPTS[0], greedy(4, ignore_eos=True)))
+        want = offline.generate([PROMPTS[0]], greedy(4, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert outs[-1].outputs[0].token_ids == want.token_ids and CountingLoop.steps >= 4
+        assert wait_until(lambda: idle(llm))
+    finally:
+        llm.close()
+    by_name = AsyncLLM(LLMEngine(model="tiny-random", **OPTIONS), loop_cls="minivllm.serving.engine_loop.EngineLoop")
+    by_name.close()
+    for bad in ("minivllm.serving.NoSuchLoop", LLMEngine):  # refused before the engine is built
+        with pytest.raises(ValueError, match="loop_cls"):
+            AsyncLLM(lambda: pytest.fail("built the engine"), loop_cls=bad)

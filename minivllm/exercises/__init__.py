@@ -23,6 +23,7 @@ from minivllm.exercises.preemption import check_preemption
 from minivllm.exercises.prefill_decode import check_generate_cached
 from minivllm.exercises.prefix_caching import check_prefix_cache
 from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
+from minivllm.exercises.serving import check_engine_loop
 from minivllm.exercises.spec_decode import check_spec_acceptor
 from minivllm.exercises.tensor_parallel import check_shard_weight
 from minivllm.exercises.where_time_goes import check_graph_runner
@@ -41,6 +42,7 @@ __all__ = [
     "check_preemption",  # 10 preemption
     "check_request_latencies", "reference_request_latencies", "check_goodput",  # 11 measuring an engine
     "check_graph_runner",  # 12 where the time goes
+    "check_engine_loop",  # 13 serving
     "check_offload_tier",  # 14 KV offload
     "check_shard_weight",  # 15 tensor parallelism
     "check_kv_handoff",  # 16 prefill/decode disaggregation

@@ -34,6 +34,7 @@ from minivllm.exercises.preemption import check_preemption
 from minivllm.exercises.prefill_decode import check_generate_cached
 from minivllm.exercises.prefix_caching import check_prefix_cache
 from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
+from minivllm.exercises.serving import check_engine_loop
 from minivllm.exercises.spec_decode import check_spec_acceptor
 from minivllm.exercises.tensor_parallel import check_shard_weight
 from minivllm.exercises.where_time_goes import check_graph_runner
@@ -73,6 +74,7 @@ PARTS = [
     Part("11", "metrics", "goodput", check_goodput, "goodput"),
     Part("12", "graph_runner", "MyGraphRunner", check_graph_runner, "CUDA-graph decode batch: the padding rule",
          "graph_runner_cls"),
+    Part("13", "engine_loop", "MyEngineLoop", check_engine_loop, "the server's engine loop (AsyncLLM)"),
     Part("14", "offload_tier", "MyOffloadTier", check_offload_tier, "CPU offload tier of the prefix cache",
          "offload_tier_cls"),
     Part("15", "tensor_parallel", "shard_weight", check_shard_weight, "tensor-parallel shards of a Llama layer"),

@@ -4,7 +4,10 @@ The web server's event loop must never wait for a forward pass, so the engine
 gets a thread of its own that owns it: it takes new requests and aborts from a
 thread-safe inbox, runs ``LLMEngine.step()``, and hands each ``RequestOutput``
 to the queue of its request (``loop.call_soon_threadsafe``), where the request's
-handler awaits it. The same ``LLMEngine`` code path serves ``LLM.generate``.
+handler awaits it. That turn, and the inbox and streams it shares with the
+callers, is :class:`~minivllm.serving.engine_loop.EngineLoop` (``loop_cls``, an
+extension point: exercise 13). The same ``LLMEngine`` code path serves
+``LLM.generate``.
 
 - A request is validated (``LLMEngine.validate_request``) in the caller, so bad
   input raises ``ValueError`` before anything is queued.
@@ -36,21 +39,19 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections import deque
 from typing import AsyncIterator, Callable
 
-from minivllm.config import check, is_int
+from minivllm.config import check, is_int, resolve
 from minivllm.distributed import WorkerError
 from minivllm.engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.serving.engine_loop import IDLE_WAIT_S, EngineLoop
 from minivllm.timing import now
 
 __all__ = ["AsyncLLM", "RequestStream", "QueueFull", "ServerShuttingDown", "EngineRestarting", "RequestFailed"]
 
 log = logging.getLogger("minivllm.serving")
-IDLE_WAIT_S = 0.5  # an idle loop thread wakes this often (to publish stats, to notice a deadline)
-STATS_EVERY_S = 0.1  # a busy loop thread refreshes the engine's stats (the gauges of /metrics) this often
 START_TIMEOUT_S = 600.0  # the longest the loop thread may take to build the engine
 
 
@@ -103,20 +104,19 @@ class AsyncLLM:
     """An ``LLMEngine`` served from one background thread to asyncio callers."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_queue_size: int | None = None,
-                 metrics=None):
-        """``engine``: an engine, or a function the loop thread calls to build one (its error is raised here)."""
+                 metrics=None, loop_cls: type | str = EngineLoop):
+        """``engine``: an engine, or a function the loop thread calls to build one (its error is raised here).
+        ``loop_cls``: the :class:`EngineLoop` (sub)class, or its dotted name, that the loop thread turns."""
         check(max_queue_size is None or (is_int(max_queue_size) and max_queue_size >= 0), "max_queue_size",
               "None (no limit) or an integer >= 0", max_queue_size)
+        self.loop_cls = resolve(loop_cls, "loop_cls")
+        check(issubclass(self.loop_cls, EngineLoop), "loop_cls", "a subclass of EngineLoop", self.loop_cls)
         self.metrics = metrics  # a ServerMetrics (or None): updated from the loop thread
         self.accepting = True
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._inbox: deque = deque()  # ("add", id, token ids, params, arrival) and ("abort", id), in order
-        self._guard = threading.Lock()  # _streams and the accepting/in-flight check
-        self._wake = threading.Event()
+        self.loop: EngineLoop | None = None  # built by the loop thread, around the engine it builds
         self._stop = threading.Event()
         self._deadline: float | None = None
         self._ids = itertools.count()
-        self._stats_at = float("-inf")
         self._build = engine if callable(engine) else (lambda: engine)
         self._rebuildable = callable(engine)  # an engine given as it is cannot be built again
         self._healthy = True  # False while a failed engine is rebuilt (or when it cannot be)
@@ -132,8 +132,12 @@ class AsyncLLM:
         self.max_in_flight = None if max_queue_size is None else self.engine.config.max_num_seqs + max_queue_size
 
     @property
+    def engine(self) -> LLMEngine:
+        return self.loop.engine
+
+    @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self.loop.streams)
 
     @property
     def is_alive(self) -> bool:
@@ -150,11 +154,8 @@ class AsyncLLM:
         arrival_time = now() if arrival_time is None else arrival_time
         _, ids = self.engine.validate_request(request_id, prompt, params, arrival_time=arrival_time)
         queue: asyncio.Queue = asyncio.Queue()
-        with self._guard:
-            self._check_room(request_id)
-            self._streams[request_id] = (loop, queue)
-            self._inbox.append(("add", request_id, ids, params.clone(), arrival_time))
-        self._wake.set()
+        self.loop.open(request_id, (loop, queue), ids, params.clone(), arrival_time,
+                       check=lambda: self._check_room(request_id))
         return RequestStream(self, request_id, queue)
 
     def _check_room(self, request_id: str) -> None:
@@ -162,10 +163,10 @@ class AsyncLLM:
             raise ServerShuttingDown("the server is shutting down and accepts no new requests")
         if not self._healthy:
             raise EngineRestarting("the engine failed and is being restarted; retry shortly")
-        if request_id in self._streams:
+        if request_id in self.loop.streams:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        if self.max_in_flight is not None and len(self._streams) >= self.max_in_flight:
-            raise QueueFull(f"{len(self._streams)} requests in flight, the most this server queues "
+        if self.max_in_flight is not None and len(self.loop.streams) >= self.max_in_flight:
+            raise QueueFull(f"{len(self.loop.streams)} requests in flight, the most this server queues "
                             f"(max_num_seqs {self.engine.config.max_num_seqs} + max_queue_size "
                             f"{self.max_in_flight - self.engine.config.max_num_seqs}); retry later")
 
@@ -181,11 +182,7 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Forget the request's queue now; the loop thread aborts it in the engine before its next step."""
-        with self._guard:
-            if self._streams.pop(request_id, None) is None:
-                return
-            self._inbox.append(("abort", request_id))
-        self._wake.set()
+        self.loop.close(request_id)
 
     def shutdown(self, grace_s: float) -> None:
         """Stop accepting; requests still running ``grace_s`` seconds from now are aborted.
@@ -202,15 +199,16 @@ class AsyncLLM:
         """Abort everything, stop the loop thread and wait for it (bounded)."""
         self.shutdown(0.0)
         self._stop.set()
-        self._wake.set()
+        if self.loop is not None:
+            self.loop.wake.set()
         self._thread.join(timeout_s)
-        if self._rebuildable and hasattr(self, "engine"):  # the engine it built is its own to stop
+        if self._rebuildable and self.loop is not None:  # the engine it built is its own to stop
             self.engine.shutdown()
 
     # -- the loop thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.engine = engine = self._build()
+            self.loop = self.loop_cls(self._build(), self.metrics)
         except BaseException as e:  # raised by the constructor, in the caller's thread
             self._start_error = e
             return
@@ -226,22 +224,17 @@ class AsyncLLM:
             except Exception as e:  # a bug outside any one request: fail what is in flight, keep serving
                 log.exception("engine loop failed; aborting the requests in flight")
                 self._end_all(RequestFailed(f"engine loop failed: {type(e).__name__}: {e}"))
+                self.loop.wake.wait(IDLE_WAIT_S)  # nothing is in flight now: a turn that fails again must not spin
+                self.loop.wake.clear()
         self._end_all(ServerShuttingDown("aborted: the server stopped"))
 
     def _once(self) -> None:
-        """One turn of the loop: adds and aborts, the deadline, then a step (or, idle, a health check and a nap)."""
-        self._take_inbox()
+        """The deadline, then one turn of the loop (adds and aborts, a step and its outputs routed, or a nap)."""
         if self._deadline is not None and now() >= self._deadline:
             self._end_all(ServerShuttingDown("aborted: the server shut down before this request finished"))
-        if not self.engine.has_unfinished_requests():
-            self.engine.check_health()
-            self._publish([])
-            self._wake.wait(IDLE_WAIT_S)
-            self._wake.clear()
-            return
-        outputs = self.engine.step()
-        self._route(outputs)
-        self._publish(outputs)
+        outputs = self.loop.turn()
+        if outputs is not None:
+            self.loop.publish(outputs)
 
     def _restart_engine(self) -> None:
         """Shut the failed engine down and build a new one (unhealthy meanwhile; for good if it cannot be)."""
@@ -256,7 +249,7 @@ class AsyncLLM:
             return
         while not self._stop.is_set():
             try:
-                self.engine = self._build()
+                self.loop.engine = self._build()
                 self.num_engine_restarts += 1
                 self._healthy = True
                 log.warning("engine rebuilt (restart %d)", self.num_engine_restarts)
@@ -265,61 +258,14 @@ class AsyncLLM:
                 log.exception("rebuilding the engine failed; trying again")
                 self._stop.wait(1.0)
 
-    def _take_inbox(self) -> None:
-        while self._inbox:
-            item = self._inbox.popleft()
-            if item[0] == "abort":
-                self._abort(item[1])
-                continue
-            _, request_id, ids, params, arrival = item
-            if request_id not in self._streams:
-                continue  # aborted or ended before the engine saw it
-            try:
-                self.engine.add_request(request_id, ids, params, arrival_time=arrival)
-            except ValueError as e:  # validated by the caller, so only a race can get here
-                self._send(request_id, e, last=True)
-
-    def _route(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._send(out.request_id, out, last=out.finished)
-
-    def _send(self, request_id: str, item, last: bool) -> None:
-        """Hand ``item`` to the request's queue on its event loop; a closed loop aborts the request."""
-        with self._guard:
-            target = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
-        if target is None:
-            return  # aborted by its caller meanwhile
-        try:
-            target[0].call_soon_threadsafe(target[1].put_nowait, item)
-        except RuntimeError:  # the caller's event loop is closed: nobody will read this request
-            if not last:
-                with self._guard:
-                    self._streams.pop(request_id, None)
-                self._abort(request_id)
-
     def _end_all(self, error: BaseException) -> None:
         """Abort every request in flight; each stream raises ``error``."""
-        self._take_inbox()
-        with self._guard:
-            ids = list(self._streams)
+        try:
+            self.loop.take_inbox()  # the aborts queued for requests whose streams are already closed
+        except Exception:
+            log.exception("taking the inbox failed; ending every open stream anyway")
+        with self.loop.guard:
+            ids = list(self.loop.streams)
         for request_id in ids:
-            self._abort(request_id)
-            self._send(request_id, error, last=True)
-
-    def _abort(self, request_id: str) -> None:
-        self.engine.abort_request(request_id)
-        if self.metrics is not None:
-            self.metrics.forget(request_id)
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        """Outputs into the metrics at every step; the engine's stats when idle or every ``STATS_EVERY_S``."""
-        if self.metrics is None:
-            return
-        stats = None
-        if not outputs or now() - self._stats_at >= STATS_EVERY_S:
-            self._stats_at = now()
-            try:
-                stats = self.engine.stats()
-            except Exception:  # the gauges wait for the next refresh; the outputs are still counted
-                log.exception("reading the engine's stats failed")
-        self.metrics.record(outputs, stats)
+            self.loop.abort(request_id)
+            self.loop.deliver(request_id, error, last=True)
