@@ -204,3 +204,19 @@ def test_llamacpp_continuous_batching_gives_each_request_its_sequential_tokens(n
     assert [len(t) for t in times] == max_tokens and seconds >= max(t[-1] for t in times)
     assert lib.kv == {}  # every finished sequence's cells were freed
     assert lib.decodes < sum(max_tokens) + len(prompts)  # requests shared steps
+
+
+def test_busy_loops_spin_while_inside_and_are_stopped_by_id_on_exit():
+    import os
+    import time
+
+    from minivllm.bench import busy_loops
+
+    with busy_loops(2, seconds=30) as pids:
+        assert len(pids) == 2
+        time.sleep(0.3)
+        for pid in pids:
+            os.kill(pid, 0)  # alive
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
