@@ -63,7 +63,7 @@ PEERS = {
     # built from source with cmake and the system compiler (about 30 minutes on 2 cores), hence nice
     "llamacpp": Peer("llama.cpp (llama-cpp-python)", "llama-cpp-python", ("llama-cpp-python==0.3.36",),
                      "import llama_cpp; print(llama_cpp.__version__)", "llamacpp_offline.py",
-                     {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}, nice=True),
+                     build_env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}, nice=True),
 }
 COMPARE_PEERS = {"vllm-eager": ("vllm", "eager"), "vllm-compiled": ("vllm", "compiled"), "llamacpp": ("llamacpp", None)}
 ALIASES = {"vllm": ("vllm-eager", "vllm-compiled")}  # --compare vllm runs both modes
@@ -159,7 +159,7 @@ def setup_peer(key: str) -> bool:
     log = peers_dir() / f"{peer.venv}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **peer.build_env}
-    with open(log, "w") as f:
+    with open(log, "a") as f:  # appended: an earlier attempt's build log stays
         for cmd in setup_commands(key):
             shown = " ".join([*(f"{k}={v}" for k, v in peer.build_env.items()), shlex.join(cmd)])
             print(f"$ {shown}", flush=True)
@@ -221,7 +221,7 @@ def run_peer(key: str, workload: Workload, model: str = SMOLLM2, tpot_tokens: in
     with tempfile.TemporaryDirectory(prefix=f"peer-{key}-") as tmp:
         job_path, result_path, log = Path(tmp, "job.json"), Path(tmp, "result.json"), Path(tmp, "driver.log")
         job_path.write_text(json.dumps(job))
-        with open(log, "w") as f:
+        with open(log, "a") as f:  # appended: an earlier attempt's build log stays
             rc = subprocess.run([str(venv_python(peer)), str(DRIVERS / peer.driver), str(job_path), str(result_path)],
                                 stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", **env}).returncode
