@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 
 import torch
@@ -24,6 +25,7 @@ from minivllm.bench.cli import (add_min_max, block_size_int, check_token_budget,
                                 nonneg_int, positive_finite_float, positive_int, probability, server_url, top_k_int,
                                 writable_file)
 from minivllm.bench.online import BACKENDS, run_online, served_model
+from minivllm.bench.peers import ALIASES, COMPARE_PEERS, PeerMissing, batch1_tpot, peer_table, run_peer
 from minivllm.config import cdiv, default_device
 from minivllm.models import load_model, load_tokenizer, model_folder
 from minivllm.serving.cli import add_serve_arguments, check_model, serve_main
@@ -68,6 +70,17 @@ def _generate(args, parser) -> int:
 
 
 COMPARISONS = ("hf-batch", "hf-static", "hf-single", "static", "contiguous", "naive")
+PEER_COMPARISONS = ("vllm", "vllm-eager", "vllm-compiled", "llamacpp")  # the real engines (bench/peers)
+
+
+def comparison_list(text: str) -> list[str]:
+    """``--compare`` items, space or comma separated (``vllm,llamacpp``); ``vllm`` means both of its modes."""
+    names = [n for n in text.split(",") if n]
+    allowed = COMPARISONS + PEER_COMPARISONS + ("none",)
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"must be among {', '.join(allowed)}, got {text!r}")
+    return [m for n in names for m in (ALIASES.get(n, (n,)))]
 
 
 SIZE_FLAGS = ("num_requests", "prompt_len", "output_len", "rate")  # bench flags that override a workload's size
@@ -102,6 +115,8 @@ def _baselines(args, workload, device, compare: list[str], model) -> list:
     """Each requested baseline run on the same workload (the HF model loaded once, only when one needs it)."""
     results, hf = [], None
     for name in compare:
+        if name in COMPARE_PEERS:
+            continue  # the real engines run apart (_peers)
         print(f"running {name} ...", file=sys.stderr, flush=True)
         if name.startswith("hf") and hf is None:
             from transformers import AutoModelForCausalLM  # optional and heavy: only the HF baselines need it
@@ -117,6 +132,21 @@ def _baselines(args, workload, device, compare: list[str], model) -> list:
                         "contiguous": lambda: run_contiguous(model, workload),
                         "naive": lambda: run_naive(model, workload)}[name]())
     return results
+
+
+def _peers(workload, keys: list[str], model: str) -> dict:
+    """Each named peer engine on the workload in its own environment; one that is missing or fails is skipped
+    with a line that says why."""
+    runs = {}
+    for key in keys:
+        print(f"running {key} in its own environment ...", file=sys.stderr, flush=True)
+        try:
+            runs[key] = run_peer(key, workload, model)
+        except PeerMissing as e:
+            print(e, flush=True)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"{key}: skipped, it failed: {e}", flush=True)
+    return runs
 
 
 def _engine_options(args, device) -> dict:
@@ -223,10 +253,16 @@ def _bench(args, parser) -> int:
     opts = _engine_options(args, device)
     results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
     results += _baselines(args, workload, device, compare, model)
+    peer_runs = _peers(workload, [c for c in compare if c in COMPARE_PEERS], args.model)
+    results += [run.result for run in peer_runs.values()]
     slo = _slo(args)
     limits = measure_machine(model) if args.roofline else None
     bound = roofline(model, workload, limits) if limits else None
     _print_report(args, workload, results, slo, limits, bound)
+    if peer_runs:
+        llm = LLM(args.model, **opts)
+        print("\n" + peer_table(results[0], batch1_tpot(llm, workload.prompts[0]), peer_runs))
+        del llm
     breakdown = _decode_breakdown(args, device) if args.breakdown else None
     if args.json:
         _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown)
@@ -285,8 +321,10 @@ def main(argv=None) -> int:
                    help="send the workload to this OpenAI-compatible server (streaming), e.g. http://127.0.0.1:8000")
     b.add_argument("--backend", choices=sorted(BACKENDS), default="minivllm",
                    help="with --server: how the server is asked for exact output lengths (default: minivllm)")
-    b.add_argument("--compare", nargs="+", choices=COMPARISONS + ("none",), default=None,
-                   help="baselines on the same workload (offline only; default hf-batch hf-static)")
+    b.add_argument("--compare", nargs="+", type=comparison_list, default=None,
+                   help=f"baselines on the same workload, space or comma separated, among {', '.join(COMPARISONS)}; "
+                        f"the real engines {', '.join(PEER_COMPARISONS)} (each in its own environment: python -m "
+                        "minivllm.bench peers setup); none (offline only; default hf-batch hf-static)")
     b.add_argument("--hf-batch-size", type=positive_int, default=16,
                    help="static batch size of the hf-static/static baselines")
     b.add_argument("--block-size", type=block_size_int, default=16)
@@ -315,6 +353,8 @@ def main(argv=None) -> int:
                                    "/v1/models) plus /health, /tokenize, /detokenize and Prometheus /metrics.")
     add_serve_arguments(s)
     args = parser.parse_args(argv)
+    if getattr(args, "compare", None) is not None:
+        args.compare = [name for names in args.compare for name in names]
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.command == "generate":
         return _generate(args, g)

@@ -2,16 +2,17 @@
 
 ``minivllm.bench`` re-exports every module's ``__all__``, so chapters write
 ``from minivllm.bench import replay, percentile``. ``python -m minivllm.bench
-[interference|shared-prefix|preemption|serving|kv-offload|disaggregation|speculative]`` runs a chapter's
-experiment.
+[interference|shared-prefix|preemption|serving|kv-offload|disaggregation|speculative|peers|contention]`` runs a
+chapter's experiment.
 """
 
 import sys
 
-from minivllm.bench import (baselines, disaggregation, harness, interference, kv_offload, metrics, online, preemption,
-                            server_process,
-                            serving_sweep, shared_prefix, speculative, throughput, timing, trace, workloads)
+from minivllm.bench import (baselines, contention, disaggregation, harness, interference, kv_offload, metrics, online,
+                            peers, preemption, server_process, serving_sweep, shared_prefix, speculative, throughput,
+                            timing, trace, workloads)
 from minivllm.bench.baselines import *  # noqa: F401,F403
+from minivllm.bench.contention import *  # noqa: F401,F403
 from minivllm.bench.disaggregation import *  # noqa: F401,F403
 from minivllm.bench.cli import SUBCOMMANDS
 from minivllm.bench.harness import *  # noqa: F401,F403
@@ -19,6 +20,7 @@ from minivllm.bench.interference import *  # noqa: F401,F403
 from minivllm.bench.kv_offload import *  # noqa: F401,F403
 from minivllm.bench.metrics import *  # noqa: F401,F403
 from minivllm.bench.online import *  # noqa: F401,F403
+from minivllm.bench.peers import *  # noqa: F401,F403
 from minivllm.bench.preemption import *  # noqa: F401,F403
 from minivllm.bench.server_process import *  # noqa: F401,F403
 from minivllm.bench.serving_sweep import *  # noqa: F401,F403
@@ -32,14 +34,15 @@ from minivllm.simulator import SimTrace, sim_sequence, simulate_schedule  # chap
 
 __all__ = [name for module in (timing, metrics, workloads, baselines, trace, harness, throughput, interference,
                                shared_prefix, preemption, online, server_process, serving_sweep, kv_offload,
-                               disaggregation, speculative)
+                               disaggregation, speculative, peers, contention)
            for name in module.__all__]
 __all__ += ["SimTrace", "sim_sequence", "simulate_schedule", "SUBCOMMANDS", "main"]
 
 _EXPERIMENTS = {"interference": interference.interference_main, "shared-prefix": shared_prefix.shared_prefix_main,
                 "preemption": preemption.preemption_main, "serving": serving_sweep.serving_sweep_main,
                 "kv-offload": kv_offload.kv_offload_main, "disaggregation": disaggregation.disaggregation_main,
-                "speculative": speculative.speculative_main}
+                "speculative": speculative.speculative_main, "peers": peers.peers_main,
+                "contention": contention.contention_main}
 
 
 def main(argv=None) -> int:

