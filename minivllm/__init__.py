@@ -1,5 +1,9 @@
 """minivllm: a small, real LLM inference engine, built chapter by chapter."""
 
+from minivllm import cpu_threads
+
+cpu_threads.apply_defaults()  # before torch loads libgomp, which reads its spin count once (chapter 11)
+
 from minivllm.config import EngineConfig, default_device
 from minivllm.engine import LLM, LLMEngine
 from minivllm.outputs import CompletionOutput, EngineStats, RequestOutput

@@ -4,14 +4,16 @@
 quiet and under one busy loop per core that the benchmark starts itself
 (:func:`busy_loops`, stopped by process id), and prints the medians and their
 ratio with the thread settings in force (``torch.get_num_threads()``,
-``OMP_*``). ``--threads N`` sets ``torch.set_num_threads(N)`` first; OpenMP's
-own variables (``OMP_WAIT_POLICY=passive``) must be in the environment before
-the process starts.
+``OMP_*``, the spin count of :mod:`minivllm.cpu_threads`). ``--threads N`` sets
+``torch.set_num_threads(N)`` first; OpenMP's own variables (``GOMP_SPINCOUNT``,
+``OMP_WAIT_POLICY=passive``) must be in the environment before the process
+starts: ``GOMP_SPINCOUNT=300000`` gives libgomp's own default back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -19,9 +21,10 @@ import sys
 
 import torch
 
-from minivllm.bench.cli import add_min_max, bench_parser, offline_env, positive_int
+from minivllm.bench.cli import add_min_max, bench_parser, offline_env, positive_int, writable_file
 from minivllm.bench.harness import run_engine
 from minivllm.bench.workloads import make_workload
+from minivllm.cpu_threads import spin_count_in_force
 from minivllm.models import load_tokenizer
 
 __all__ = ["busy_loops", "contention_main"]
@@ -49,6 +52,7 @@ def contention_main(argv=None) -> int:
     add_min_max(parser, "--output-len", default=(32, 32))
     parser.add_argument("--busy", type=positive_int, default=os.cpu_count() or 1, help="busy loops (default: a core each)")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch.set_num_threads(N) first")
+    parser.add_argument("--json", type=writable_file, default=None, help="also write the figures to FILE as JSON")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -57,7 +61,8 @@ def contention_main(argv=None) -> int:
     opts = dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens, device="cpu",
                 dtype="float32")
     omp = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "GOMP_"))}
-    print(f"workload: {workload.description}; torch threads {torch.get_num_threads()}, OpenMP env {omp or 'none'}; "
+    print(f"workload: {workload.description}; torch threads {torch.get_num_threads()}, OpenMP env {omp or 'none'}, "
+          f"spin count {spin_count_in_force()}; "
           f"{args.busy} busy loops when loaded; {args.repeats} rounds, quiet then loaded", flush=True)
     figures = {"quiet": [], "loaded": []}
     for _ in range(args.repeats):
@@ -67,4 +72,9 @@ def contention_main(argv=None) -> int:
         print("  " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in figures.items()), flush=True)
     quiet, loaded = (statistics.median(figures[k]) for k in ("quiet", "loaded"))
     print(f"median quiet {quiet:.1f} tok/s, loaded {loaded:.1f} tok/s: loaded is {quiet / loaded:.2f}x slower")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"spin_count": spin_count_in_force(), "threads": torch.get_num_threads(), "busy": args.busy,
+                       "tok_s": figures, "median_quiet": quiet, "median_loaded": loaded,
+                       "slowdown": quiet / loaded}, f, indent=2)
     return 0

@@ -29,11 +29,12 @@ from pathlib import Path
 from minivllm.bench.baselines import first_difference
 from minivllm.bench.harness import BenchResult, _result
 from minivllm.bench.workloads import Workload
+from minivllm.cpu_threads import set_by_minivllm
 from minivllm.models.loader import SMOLLM2, _atomic_folder, cache_dir, gguf_path, smollm2_folder
 
 __all__ = ["Peer", "PEERS", "COMPARE_PEERS", "PeerMissing", "PeerRun", "peers_dir", "export_hf_folder",
            "export_f32_gguf", "setup_commands", "setup_peer", "peer_installed", "leading_agreement",
-           "agreement_line", "peer_settings", "run_peer", "batch1_tpot", "peer_table", "peers_main", "ALIASES"]
+           "agreement_line", "peer_settings", "peer_environ", "run_peer", "batch1_tpot", "peer_table", "peers_main", "ALIASES"]
 
 DRIVERS = Path(__file__).resolve().parent / "peer_drivers"
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M in fp32: layers x (K, V) x KV heads x head dim x 4 bytes
@@ -224,13 +225,20 @@ def run_peer(key: str, workload: Workload, model: str = SMOLLM2, tpot_tokens: in
         with open(log, "a") as f:  # appended: an earlier attempt's build log stays
             rc = subprocess.run([str(venv_python(peer)), str(DRIVERS / peer.driver), str(job_path), str(result_path)],
                                 stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1", **env}).returncode
+                                env={**peer_environ(), "HF_HUB_OFFLINE": "1", **env}).returncode
         if rc != 0 or not result_path.exists():
             raise RuntimeError(f"{key}: the driver failed (exit {rc}); its output ends:\n" + log.read_text()[-3000:])
         out = json.loads(result_path.read_text())
     result = _result(_label(key, out["settings"]), 0.0, out["seconds"], out["token_ids"], out["token_times"], workload)
     return PeerRun(result, out["batch1_tpot"], {**out["settings"], "env": {**out["settings"].get("env", {}), **env}},
                    out["startup_seconds"], out["version"])
+
+
+def peer_environ() -> dict:
+    """This process's environment without what minivllm set for itself (:func:`minivllm.cpu_threads.apply_defaults`):
+    a peer runs with its own OpenMP defaults (llama.cpp links libgomp too) and the settings it is given."""
+    ours = set_by_minivllm()
+    return {k: v for k, v in os.environ.items() if k not in ours}
 
 
 def _label(key: str, s: dict) -> str:

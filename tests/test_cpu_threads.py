@@ -1,0 +1,84 @@
+"""minivllm's OpenMP spin count (minivllm.cpu_threads, chapter 11): set at import before torch, never over the
+user's choice, and not handed on to the peer engines. Each case runs in a fresh interpreter: this one has torch."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minivllm.cpu_threads import SPIN_COUNT, apply_defaults
+
+SHOW = ("import os, sys\n"
+        "{first}\n"
+        "from minivllm.cpu_threads import spin_count_in_force\n"
+        "from minivllm.bench.peers import peer_environ\n"
+        "print(os.environ.get('GOMP_SPINCOUNT'), 'GOMP_SPINCOUNT' in peer_environ(), spin_count_in_force(), sep='|')")
+
+
+def _fresh(first: str, **env) -> list[str]:
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", SHOW.format(first=first)], env={**base, **env}, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1].split("|")
+
+
+def test_import_minivllm_first_sets_the_spin_count_and_keeps_it_from_the_peers():
+    value, in_peer_env, words = _fresh("import minivllm\nimport torch")
+    assert value == str(SPIN_COUNT)
+    assert in_peer_env == "False", "a peer engine must start with its own OpenMP defaults, not minivllm's"
+    assert "minivllm's default" in words
+
+
+def test_torch_imported_first_keeps_libgomps_default_and_says_so():
+    value, in_peer_env, words = _fresh("import torch\nimport minivllm")
+    assert value == "None"  # libgomp has read its environment already: setting it now would change nothing
+    assert "torch was imported before minivllm" in words
+
+
+@pytest.mark.parametrize("env", [{"GOMP_SPINCOUNT": "5"}, {"OMP_WAIT_POLICY": "passive"}])
+def test_the_users_spin_count_or_wait_policy_is_never_replaced(env):
+    value, in_peer_env, words = _fresh("import minivllm", **env)
+    assert value == env.get("GOMP_SPINCOUNT", "None")
+    assert in_peer_env == str("GOMP_SPINCOUNT" in env)  # the user's own setting reaches the peers too
+    assert "set by the user" in words
+
+
+def test_apply_defaults_on_an_environment_without_torch_loaded(monkeypatch):
+    monkeypatch.delitem(sys.modules, "torch")  # as if torch were not loaded yet (restored after the test)
+    environ = {}
+    assert apply_defaults(environ) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)} == environ
+    assert apply_defaults({"OMP_WAIT_POLICY": "active"}) == {}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_busy_loops_spin_and_are_stopped_by_pid_on_exit():
+    from minivllm.bench.contention import busy_loops
+
+    with busy_loops(2, seconds=60) as pids:
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_contention_benchmark_reports_quiet_and_loaded_figures(tmp_path):
+    import json
+
+    from minivllm.bench.contention import contention_main
+
+    out = tmp_path / "contention.json"
+    assert contention_main(["--model", "tiny-random", "--num-requests", "2", "--prompt-len", "4", "8",
+                            "--output-len", "4", "4", "--busy", "1", "--repeats", "2", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert [len(figures["tok_s"][k]) for k in ("quiet", "loaded")] == [2, 2]
+    assert figures["slowdown"] == pytest.approx(figures["median_quiet"] / figures["median_loaded"])
+    from minivllm.cpu_threads import spin_count_in_force
+
+    assert figures["spin_count"] == spin_count_in_force()  # what the run spun with, in words
