@@ -34,7 +34,8 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], port: int, env: dict | None = None, health: str = "/health"):
         self.argv, self.port, self.health = list(argv), port, health
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.extra_env = dict(env or {})  # what this server gets beyond the caller's environment
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **self.extra_env}
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None
