@@ -8,8 +8,10 @@ and an F32 GGUF of the same weights (:func:`export_f32_gguf`, for llama.cpp).
 A peer runs as a subprocess of its environment's python with a small driver
 (``peer_drivers/``) that reads the workload as token ids, so no tokenizer can
 differ, and writes back each request's token ids and token times, the run's
-seconds and the batch-1 TPOT. A peer that is not installed is skipped with a
-line that says so (:class:`PeerMissing`), never a crash.
+seconds and the batch-1 TPOT. For the serving sweep (chapter 13) a peer runs
+its own OpenAI server instead (:func:`peer_server`), with the same settings
+(:func:`peer_settings`). A peer that is not installed is skipped with a line
+that says so (:class:`PeerMissing`), never a crash.
 """
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ def _start(servers: dict, stack, tok, timeout: float = 900.0) -> dict:
             print(f"{name}: skipped, its server did not start: {e}", flush=True)
             server.stop()
             continue
-        print(f"{name}: ready {now() - began:.0f} s after launch", flush=True)
+        print(f"{name}: ready within {now() - began:.0f} s of launch", flush=True)  # waited for in turn
         warm(server, tok, backend)
         running[name] = (server, backend)
     return running
