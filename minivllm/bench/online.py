@@ -13,7 +13,9 @@ throughput, goodput.
 Prompts are sent as text (the workload's token ids decoded), which every
 OpenAI-compatible server accepts; each server tokenizes it again, and the
 usage it returns counts the tokens it saw. Servers differ in how to ask for an
-exact output length (``BACKENDS``).
+exact output length (``BACKENDS``). A stream without usage (llama_cpp.server's)
+counts its token chunks, or ``max_tokens`` when it finished for ``length``
+(llama.cpp sends the tokens of a character split across tokens in one chunk).
 """
 
 from __future__ import annotations
@@ -26,13 +28,34 @@ from minivllm.bench.metrics import RequestTimes, ServingMetrics, serving_metrics
 from minivllm.bench.workloads import Workload
 from minivllm.timing import now
 
-__all__ = ["BACKENDS", "OnlineRun", "text_prompts", "check_online_workload", "run_online", "run_online_async",
-           "served_model"]
+__all__ = ["BACKENDS", "request_extra", "OnlineRun", "text_prompts", "check_online_workload", "run_online",
+           "run_online_async", "served_model"]
 
-# How each server is told to ignore EOS (so every request generates exactly max_tokens): a vLLM extension, or
-# transformers serve's per-request generation config (EOS -1 disables it in its continuous batching).
+
+def _llamacpp(tokenizer) -> dict:
+    """llama_cpp.server's request fields. It has no ignore_eos: it stops at any end-of-generation token
+    (``llama_vocab_is_eog`` in llama_cpp/llama.py, SmolLM2's ``<|im_end|>`` and ``<|endoftext|>``), so a logit bias
+    of -1e9 on every special token of the tokenizer keeps them from being sampled; ``repeat_penalty`` 1.0 makes
+    temperature 0 plain greedy (its default, 1.1, rescales repeated tokens' logits). It serves one request at a
+    time: every completion holds one lock around the model until its stream ends (``get_llama_proxy`` in
+    llama_cpp/server/app.py), so requests that overlap wait in line; its stream carries no usage."""
+    return {"logit_bias": {str(i): -1e9 for i in tokenizer.all_special_ids}, "repeat_penalty": 1.0}
+
+
+# How each server is told to ignore EOS (so every request generates exactly max_tokens): a vLLM extension,
+# transformers serve's per-request generation config (EOS -1 disables it in its continuous batching), or for
+# llama_cpp.server a logit bias against the end tokens (a function of the tokenizer, ``_llamacpp``).
 BACKENDS = {"minivllm": {"ignore_eos": True}, "vllm": {"ignore_eos": True},
-            "transformers": {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})}}
+            "transformers": {"generation_config": json.dumps({"eos_token_id": -1, "do_sample": False})},
+            "llamacpp": _llamacpp}
+
+
+def request_extra(backend: str, tokenizer) -> dict:
+    """The fields ``backend`` adds to every completion request (``BACKENDS``)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    extra = BACKENDS[backend]
+    return extra(tokenizer) if callable(extra) else extra
 
 
 @dataclass
@@ -90,7 +113,7 @@ def served_model(url: str, timeout: float = 10.0) -> str:
 async def _stream_one(client, url: str, body: dict, send_at: float) -> tuple[RequestTimes | None, str, str | None]:
     """Send one streaming completion at ``send_at`` (perf_counter time); its times, text and any error."""
     await asyncio.sleep(max(0.0, send_at - now()))
-    sent, times, text, usage = now(), [], [], None
+    sent, times, text, usage, finish = now(), [], [], None, None
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             return None, "", f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
@@ -104,8 +127,9 @@ async def _stream_one(client, url: str, body: dict, send_at: float) -> tuple[Req
             if choice is not None and (choice.get("text") or not choice.get("finish_reason")):  # a token's chunk
                 times.append(now())
                 text.append(choice.get("text") or "")
+            finish = (choice or {}).get("finish_reason") or finish
             usage = data.get("usage") or usage
-    n = usage["completion_tokens"] if usage else len(times)
+    n = usage["completion_tokens"] if usage else body["max_tokens"] if finish == "length" else len(times)
     return RequestTimes(sent, times, usage["prompt_tokens"] if usage else 0, n), "".join(text), None
 
 
@@ -135,11 +159,10 @@ async def run_online_async(url: str, workload: Workload, tokenizer, backend: str
     each request in seconds. In a notebook, ``await`` this; elsewhere :func:`run_online` runs it.
     """
     check_online_workload(workload)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    extra = request_extra(backend, tokenizer)
     url = url.rstrip("/")
     model = model or served_model(url)
-    run = await _run(url, model, text_prompts(workload, tokenizer), workload, BACKENDS[backend], timeout)
+    run = await _run(url, model, text_prompts(workload, tokenizer), workload, extra, timeout)
     run.label = label or f"{backend} at {url}"
     return run
 

