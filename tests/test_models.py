@@ -62,6 +62,47 @@ def test_packing_fuses_the_projections_that_share_an_input():
             assert torch.allclose(out, linear(x, m.weight), atol=1e-4)
 
 
+def test_a_packed_model_multiplies_up_to_three_rows_through_the_row_major_weights():
+    """Matrix-vector products (at most PLAIN_MATMUL_MAX_ROWS rows) run F.linear on the row-major weights;
+    more rows run oneDNN's packed copy: bitwise what each kernel gives, and each other's to float32 rounding."""
+    from minivllm.models.llama import PLAIN_MATMUL_MAX_ROWS
+
+    packed, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
+    if packed.lm_head.packed is None:
+        pytest.skip("oneDNN weight packing is not available here")
+    linear, onednn = torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise
+    attn, mlp = packed.model.layers[2].self_attn, packed.model.layers[2].mlp
+    stacked = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    assert torch.equal(attn.fused_qkv.weight, stacked)  # the fused matmul keeps the stacked row-major weight too
+    assert PLAIN_MATMUL_MAX_ROWS == 3
+    for rows in (1, 2, 3, 4, 9):
+        x = torch.randn(rows, attn.q_proj.in_features)
+        h = torch.randn(rows, mlp.down_proj.in_features)
+        plain = rows <= PLAIN_MATMUL_MAX_ROWS
+        cases = [(attn.fused_qkv(x), stacked, attn.fused_qkv.packed, x), (attn.o_proj(x), attn.o_proj.weight,
+                 attn.o_proj.packed, x), (mlp.down_proj(h), mlp.down_proj.weight, mlp.down_proj.packed, h),
+                 (packed.lm_head(x), packed.lm_head.weight, packed.lm_head.packed, x)]
+        for out, weight, packed_weight, inp in cases:
+            want = linear(inp, weight) if plain else onednn(inp, packed_weight, None, "none", [], "")
+            assert torch.equal(out, want), f"{rows} rows should run {'F.linear' if plain else 'the packed weight'}"
+            assert torch.allclose(out, linear(inp, weight), atol=1e-4)
+
+
+def test_matmul_layouts_times_both_layouts_over_every_layer():
+    """Chapter 12's timing of the two weight layouts: a positive time for each row count and layout."""
+    from minivllm.bench import matmul_layouts
+
+    packed, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
+    plain, _ = load_model("smollm2-135m", "cpu", pack_weights=False)
+    with pytest.raises(ValueError, match="pack_weights=True"):
+        matmul_layouts(plain)
+    if packed.lm_head.packed is None:
+        pytest.skip("oneDNN weight packing is not available here")
+    times = matmul_layouts(packed, rows=(1, 4), repeats=1)
+    assert set(times) == {1, 4} and all(set(t) == {"plain", "packed"} for t in times.values())
+    assert all(s > 0 for t in times.values() for s in t.values())
+
+
 def test_bfloat16_packing_computes_what_the_plain_bfloat16_model_does():
     """On a CPU with bf16 oneDNN, packing (and fusing) a bf16 model keeps its logits to within one bf16 step."""
     from minivllm.models.llama import mkldnn_bf16_supported

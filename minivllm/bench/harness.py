@@ -31,8 +31,8 @@ from minivllm.simple_generation import generate_cached, generate_naive
 from minivllm.timing import Timer, now
 
 __all__ = ["BenchResult", "run_engine", "run_naive", "run_contiguous", "run_static", "run_hf_generate",
-           "run_hf_generate_batch", "LADDER", "run_ladder", "ReservingBlockManager", "MachineLimits", "measure_machine", "roofline",
-           "step_breakdown", "OP_KINDS", "decode_op_breakdown", "format_results", "same_outputs"]
+           "run_hf_generate_batch", "LADDER", "run_ladder", "ReservingBlockManager", "MachineLimits", "measure_machine",
+           "matmul_layouts", "roofline", "step_breakdown", "OP_KINDS", "decode_op_breakdown", "format_results", "same_outputs"]
 
 
 @dataclass
@@ -316,6 +316,45 @@ def measure_machine(model, token_counts=(1, 16, 64, 256, 1024), repeats: int = 3
             buf.sum()
         best = min(best, timer.seconds)
     return MachineLimits(max(by_tokens.values()), buffer_bytes / best, by_tokens)
+
+
+def _layout_matmuls(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every matmul of a forward as (row-major weight, oneDNN packed weight): fused q/k/v and gate/up, o, down, head."""
+    pairs = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        pairs += [(attn.fused_qkv.weight, attn.fused_qkv.packed), (attn.o_proj.weight, attn.o_proj.packed),
+                  (mlp.fused_gate_up.weight, mlp.fused_gate_up.packed), (mlp.down_proj.weight, mlp.down_proj.packed)]
+    return pairs + [(model.lm_head.weight, model.lm_head.packed)]
+
+
+@torch.inference_mode()
+def matmul_layouts(model, rows=(1, 2, 4, 16), repeats: int = 5) -> dict[int, dict[str, float]]:
+    """Seconds for all of a forward's matmuls at each row count, through each weight layout (chapter 12).
+
+    ``"plain"`` multiplies by the row-major weights (``F.linear``), ``"packed"``
+    by oneDNN's blocked copies, each over every layer's own weights in turn
+    (as a decode step streams them, not one cache-hot matrix), the two
+    alternating; each figure is the median of ``repeats``. Needs a packed model
+    (``pack_weights=True`` on a float32 CPU).
+    """
+    if model.lm_head.packed is None:
+        raise ValueError("matmul_layouts needs a model with packed weights (pack_weights=True, float32 on the CPU)")
+    pairs = _layout_matmuls(model)
+    run = {"plain": lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w, _ in pairs],
+           "packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                 for w, p in pairs]}
+    out = {}
+    for r in rows:
+        xs = {k: torch.randn(r, k, dtype=model.lm_head.weight.dtype) for k in {w.shape[1] for w, _ in pairs}}
+        times = {name: [] for name in run}
+        for _ in range(repeats + 1):  # the first round warms both up
+            for name, matmuls in run.items():
+                start = time.perf_counter()
+                matmuls(xs)
+                times[name].append(time.perf_counter() - start)
+        out[r] = {name: statistics.median(t[1:]) for name, t in times.items()}
+    return out
 
 
 def roofline(model, workload: Workload, limits: MachineLimits) -> dict:

@@ -17,6 +17,23 @@ from torch import nn
 
 from minivllm.attention import NoCache
 
+PLAIN_MATMUL_MAX_ROWS = 3
+"""Up to this many rows, a packed model multiplies through the plain row-major weight (chapter 12).
+
+One to three rows (a decode step of up to three sequences) make matrix-vector
+products, bound by streaming the weight from memory: there, the plain
+row-major kernel (``F.linear``) streams it faster than oneDNN's blocked layout
+on a 2-core AVX2 CPU (``bench.harness.matmul_layouts`` times both over every
+layer's weights); from a few rows on, the blocked layout is faster. Each side
+of the rule computes the same product to float32 rounding.
+"""
+
+
+def use_packed(x: torch.Tensor) -> bool:
+    """Whether ``x``'s rows go through the packed weight: more than :data:`PLAIN_MATMUL_MAX_ROWS` of them
+    (in float32; a bfloat16 model always multiplies through oneDNN's packed layout)."""
+    return x.shape[0] > PLAIN_MATMUL_MAX_ROWS or x.dtype != torch.float32
+
 
 class Linear(nn.Linear):
     """``nn.Linear`` that can multiply through a prepacked oneDNN weight on the CPU (chapter 12).
@@ -24,20 +41,21 @@ class Linear(nn.Linear):
     Decode steps multiply a few rows by every weight of the model, so they are
     bound by how fast weights stream from memory; oneDNN's blocked weight
     layout streams them faster than the plain row-major matmul at decode batch
-    sizes. :meth:`LlamaForCausalLM.pack_weights` fills ``packed``; ``weight``
-    stays the checkpoint's tensor.
+    sizes of four rows and more (fewer keep the plain weight:
+    :data:`PLAIN_MATMUL_MAX_ROWS`). :meth:`LlamaForCausalLM.pack_weights`
+    fills ``packed``; ``weight`` stays the checkpoint's tensor.
     """
 
     packed: torch.Tensor | None = None
 
     def matmul(self, x):
         """``x @ weight.T``, through the packed weight where there is one; no bias."""
-        if self.packed is not None:
+        if self.packed is not None and use_packed(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
     def forward(self, x):
-        if self.packed is not None:
+        if self.packed is not None and use_packed(x):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -53,17 +71,21 @@ class FusedMatmul:
     ``q_proj``, ``k_proj`` and ``v_proj`` (and ``gate_proj`` with ``up_proj``)
     multiply the same activations; one wider matmul streams the same weights
     in one kernel call instead of three. Calling it returns the linears'
-    outputs side by side, ``[T, sum of out_features]``; the stacked weight
-    exists only in oneDNN's packed copy.
+    outputs side by side, ``[T, sum of out_features]``. The stacked weight is
+    kept twice: in oneDNN's packed layout, and row-major (``weight``) for
+    batches of at most :data:`PLAIN_MATMUL_MAX_ROWS` rows.
     """
 
     def __init__(self, *linears: Linear):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in linears]), 32)
+        self.weight = torch.cat([m.weight.detach() for m in linears])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
     def __call__(self, x) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if use_packed(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -230,7 +252,7 @@ class LlamaForCausalLM(nn.Module):
     def _packing_agrees(self) -> bool:
         """The packed q/k/v (fused) and LM head against plain ``F.linear`` on a seeded probe."""
         attn, w = self.model.layers[0].self_attn, self.lm_head.weight
-        probe = torch.randn(3, attn.q_proj.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        probe = torch.randn(PLAIN_MATMUL_MAX_ROWS + 1, attn.q_proj.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
         plain_qkv = torch.cat([F.linear(probe, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
         pairs = [(attn.project_qkv(probe), plain_qkv), (self.lm_head(probe), F.linear(probe, w))]
         tol = 1e-4 if w.dtype == torch.float32 else 2e-2
