@@ -62,30 +62,62 @@ def test_packing_fuses_the_projections_that_share_an_input():
             assert torch.allclose(out, linear(x, m.weight), atol=1e-4)
 
 
-def test_a_packed_model_multiplies_up_to_three_rows_through_the_row_major_weights():
-    """Matrix-vector products (at most PLAIN_MATMUL_MAX_ROWS rows) run F.linear on the row-major weights;
+@pytest.mark.parametrize("plain_max_rows", [3, 1, 0])
+def test_a_packed_model_multiplies_up_to_plain_max_rows_through_the_row_major_weights(plain_max_rows):
+    """Matrix-vector products (at most the model's plain_max_rows rows) run F.linear on the row-major weights;
     more rows run oneDNN's packed copy: bitwise what each kernel gives, and each other's to float32 rounding."""
     from minivllm.models.llama import PLAIN_MATMUL_MAX_ROWS
 
     packed, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
     if packed.lm_head.packed is None:
         pytest.skip("oneDNN weight packing is not available here")
+    assert 0 <= packed.plain_max_rows <= PLAIN_MATMUL_MAX_ROWS == 3  # measured at load (plain_rows_that_win)
+    measured = packed.plain_max_rows
     linear, onednn = torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise
     attn, mlp = packed.model.layers[2].self_attn, packed.model.layers[2].mlp
     stacked = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     assert torch.equal(attn.fused_qkv.weight, stacked)  # the fused matmul keeps the stacked row-major weight too
-    assert PLAIN_MATMUL_MAX_ROWS == 3
-    for rows in (1, 2, 3, 4, 9):
-        x = torch.randn(rows, attn.q_proj.in_features)
-        h = torch.randn(rows, mlp.down_proj.in_features)
-        plain = rows <= PLAIN_MATMUL_MAX_ROWS
-        cases = [(attn.fused_qkv(x), stacked, attn.fused_qkv.packed, x), (attn.o_proj(x), attn.o_proj.weight,
-                 attn.o_proj.packed, x), (mlp.down_proj(h), mlp.down_proj.weight, mlp.down_proj.packed, h),
-                 (packed.lm_head(x), packed.lm_head.weight, packed.lm_head.packed, x)]
-        for out, weight, packed_weight, inp in cases:
-            want = linear(inp, weight) if plain else onednn(inp, packed_weight, None, "none", [], "")
-            assert torch.equal(out, want), f"{rows} rows should run {'F.linear' if plain else 'the packed weight'}"
-            assert torch.allclose(out, linear(inp, weight), atol=1e-4)
+    matmuls = packed.packed_matmuls()
+    assert len(matmuls) == 4 * len(packed.model.layers) + 1 and all(m.plain_max_rows == measured for m in matmuls)
+    try:
+        for m in matmuls:
+            m.plain_max_rows = plain_max_rows
+        for rows in (1, 2, 3, 4, 9):
+            x = torch.randn(rows, attn.q_proj.in_features)
+            h = torch.randn(rows, mlp.down_proj.in_features)
+            plain = rows <= plain_max_rows
+            cases = [(attn.fused_qkv(x), stacked, attn.fused_qkv.packed, x), (attn.o_proj(x), attn.o_proj.weight,
+                     attn.o_proj.packed, x), (mlp.down_proj(h), mlp.down_proj.weight, mlp.down_proj.packed, h),
+                     (packed.lm_head(x), packed.lm_head.weight, packed.lm_head.packed, x)]
+            for out, weight, packed_weight, inp in cases:
+                want = linear(inp, weight) if plain else onednn(inp, packed_weight, None, "none", [], "")
+                assert torch.equal(out, want), f"{rows} rows should run {'F.linear' if plain else 'the packed weight'}"
+                assert torch.allclose(out, linear(inp, weight), atol=1e-4)
+    finally:
+        for m in matmuls:
+            m.plain_max_rows = measured
+
+
+@pytest.mark.parametrize("plain_share, expected", [
+    ({1: 0.5, 2: 0.6, 3: 0.7}, 3),   # plain clearly faster at every row count (the Intel Xeon's case)
+    ({1: 0.5, 2: 0.95, 3: 0.5}, 1),  # 2 rows within the margin: plain stops there, whatever 3 does
+    ({1: 1.4, 2: 0.5, 3: 0.5}, 0),   # plain slower at one row (the AMD EPYC's MKL): packed everywhere
+    ({1: 0.9, 2: 0.9, 3: 0.9}, 3),   # exactly the margin counts as a win
+])
+def test_plain_rows_that_win_keeps_the_plain_layout_only_while_it_is_clearly_faster(monkeypatch, plain_share, expected):
+    from minivllm.models import llama
+
+    timed = []
+
+    def fake(pairs, rows, repeats=5):
+        (r,) = rows
+        timed.append((r, len(pairs)))
+        return {r: {"plain": plain_share[r], "packed": 1.0}}
+
+    monkeypatch.setattr(llama, "time_layouts", fake)
+    pairs = [(torch.zeros(1024, 1024), None)] * 40  # 4 MiB each: 16 of them reach the 64 MiB that are timed
+    assert llama.plain_rows_that_win(pairs) == expected
+    assert timed == [(r, 16) for r in range(1, min(expected + 1, 3) + 1)]  # in turn, up to the first that loses
 
 
 def test_matmul_layouts_times_both_layouts_over_every_layer():

@@ -26,7 +26,7 @@ from minivllm.bench.workloads import Workload, _exactly, random_workload
 from minivllm.block_manager import BlockManager
 from minivllm.config import cdiv
 from minivllm.models import load_model
-from minivllm.models.llama import Linear
+from minivllm.models.llama import Linear, time_layouts
 from minivllm.simple_generation import generate_cached, generate_naive
 from minivllm.timing import Timer, now
 
@@ -318,17 +318,6 @@ def measure_machine(model, token_counts=(1, 16, 64, 256, 1024), repeats: int = 3
     return MachineLimits(max(by_tokens.values()), buffer_bytes / best, by_tokens)
 
 
-def _layout_matmuls(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every matmul of a forward as (row-major weight, oneDNN packed weight): fused q/k/v and gate/up, o, down, head."""
-    pairs = []
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        pairs += [(attn.fused_qkv.weight, attn.fused_qkv.packed), (attn.o_proj.weight, attn.o_proj.packed),
-                  (mlp.fused_gate_up.weight, mlp.fused_gate_up.packed), (mlp.down_proj.weight, mlp.down_proj.packed)]
-    return pairs + [(model.lm_head.weight, model.lm_head.packed)]
-
-
-@torch.inference_mode()
 def matmul_layouts(model, rows=(1, 2, 4, 16), repeats: int = 5) -> dict[int, dict[str, float]]:
     """Seconds for all of a forward's matmuls at each row count, through each weight layout (chapter 12).
 
@@ -340,21 +329,8 @@ def matmul_layouts(model, rows=(1, 2, 4, 16), repeats: int = 5) -> dict[int, dic
     """
     if model.lm_head.packed is None:
         raise ValueError("matmul_layouts needs a model with packed weights (pack_weights=True, float32 on the CPU)")
-    pairs = _layout_matmuls(model)
-    run = {"plain": lambda xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w, _ in pairs],
-           "packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                                 for w, p in pairs]}
-    out = {}
-    for r in rows:
-        xs = {k: torch.randn(r, k, dtype=model.lm_head.weight.dtype) for k in {w.shape[1] for w, _ in pairs}}
-        times = {name: [] for name in run}
-        for _ in range(repeats + 1):  # the first round warms both up
-            for name, matmuls in run.items():
-                start = time.perf_counter()
-                matmuls(xs)
-                times[name].append(time.perf_counter() - start)
-        out[r] = {name: statistics.median(t[1:]) for name, t in times.items()}
-    return out
+    with torch.inference_mode():
+        return time_layouts(model.layout_pairs(), rows, repeats)
 
 
 def roofline(model, workload: Workload, limits: MachineLimits) -> dict:

@@ -11,6 +11,11 @@ and values live is the job of the ``kv`` object handed to :meth:`forward`
 
 from __future__ import annotations
 
+import itertools
+import statistics
+import time
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,21 +23,99 @@ from torch import nn
 from minivllm.attention import NoCache
 
 PLAIN_MATMUL_MAX_ROWS = 3
-"""Up to this many rows, a packed model multiplies through the plain row-major weight (chapter 12).
+"""The most rows a packed model may multiply through the plain row-major weight (chapter 12).
 
 One to three rows (a decode step of up to three sequences) make matrix-vector
-products, bound by streaming the weight from memory: there, the plain
-row-major kernel (``F.linear``) streams it faster than oneDNN's blocked layout
-on a 2-core AVX2 CPU (``bench.harness.matmul_layouts`` times both over every
-layer's weights); from a few rows on, the blocked layout is faster. Each side
-of the rule computes the same product to float32 rounding.
+products, bound by streaming the weight from memory. Which layout streams it
+faster depends on the CPU and its BLAS: on the course's 2-core Intel Xeon the
+plain kernel (``F.linear``, MKL's) beat oneDNN's blocked layout at one to three
+rows; on a 2-core AMD EPYC it ran at half oneDNN's speed. So packing measures
+it (:func:`plain_rows_that_win`) and keeps the plain layout only for the row
+counts where it is clearly faster. Each side computes the same product to
+float32 rounding.
 """
 
+PLAIN_MARGIN = 0.9
+"""The plain layout is kept for a row count only where it takes at most this share of the packed layout's time."""
 
-def use_packed(x: torch.Tensor) -> bool:
-    """Whether ``x``'s rows go through the packed weight: more than :data:`PLAIN_MATMUL_MAX_ROWS` of them
-    (in float32; a bfloat16 model always multiplies through oneDNN's packed layout)."""
-    return x.shape[0] > PLAIN_MATMUL_MAX_ROWS or x.dtype != torch.float32
+
+def use_packed(x: torch.Tensor, plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS) -> bool:
+    """Whether ``x``'s rows go through the packed weight: more than ``plain_max_rows`` of them (in float32; a
+    bfloat16 model always multiplies through oneDNN's packed layout)."""
+    return x.shape[0] > plain_max_rows or x.dtype != torch.float32
+
+
+def time_layouts(pairs, rows, repeats: int = 5) -> dict[int, dict[str, float]]:
+    """Median seconds to multiply ``rows`` rows by every ``(row-major weight, packed weight)`` of ``pairs`` in turn,
+    through each layout: ``{rows: {"plain": s, "packed": s}}``, the two alternating after one warm-up round."""
+    run = {"plain": lambda xs: [F.linear(xs[w.shape[1]], w) for w, _ in pairs],
+           "packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                 for w, p in pairs]}
+    out = {}
+    for r in rows:
+        xs = {k: torch.randn(r, k, dtype=pairs[0][0].dtype) for k in {w.shape[1] for w, _ in pairs}}
+        times = {name: [] for name in run}
+        for _ in range(repeats + 1):
+            for name, matmuls in run.items():
+                start = time.perf_counter()
+                matmuls(xs)
+                times[name].append(time.perf_counter() - start)
+        out[r] = {name: statistics.median(t[1:]) for name, t in times.items()}
+    return out
+
+
+def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 3) -> int:
+    """The most rows (0 to :data:`PLAIN_MATMUL_MAX_ROWS`) up to which the plain layout is clearly faster here.
+
+    Times the first ``pairs`` that hold ``max_bytes`` of weights (more than a
+    CPU's last-level cache, so they stream from memory as in a decode step) at
+    1, 2, 3 rows; a row count keeps the plain layout where it takes at most
+    :data:`PLAIN_MARGIN` of the packed time, and so did every smaller one
+    (timed in turn, up to the first that loses). A tenth of a second to a
+    few, once per model load.
+    """
+    chosen, total = [], 0
+    for w, p in pairs:
+        chosen.append((w, p))
+        total += w.numel() * w.element_size()
+        if total >= max_bytes:
+            break
+    wins = 0
+    while wins < PLAIN_MATMUL_MAX_ROWS:
+        t = time_layouts(chosen, [wins + 1], repeats)[wins + 1]
+        if t["plain"] > PLAIN_MARGIN * t["packed"]:
+            break
+        wins += 1
+    return wins
+
+
+_PACKED_MATMULS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> a packed Linear/FusedMatmul
+_KEYS = itertools.count()
+
+
+def register_packed(matmul) -> int:
+    """A key for ``matmul`` (a packed :class:`Linear` or :class:`FusedMatmul`) that :func:`packed_matmul` finds it by."""
+    key = next(_KEYS)
+    _PACKED_MATMULS[key] = matmul
+    return key
+
+
+@torch.library.custom_op("minivllm::packed_matmul", mutates_args=())
+def packed_matmul(x: torch.Tensor, key: int) -> torch.Tensor:
+    """A packed matmul as one opaque op of a compiled graph (chapter 12, ``compile_model``).
+
+    Inductor cannot take oneDNN's packed weight as a graph input, so a compiled
+    forward calls the packed linear registered under ``key`` through this op,
+    which runs it eagerly: the matmul is exactly the eager one, the plain or
+    packed layout picked by the row count at run time (vLLM's CPU backend
+    calls its ``onednn_mm`` op the same way).
+    """
+    return _PACKED_MATMULS[key].eager(x)
+
+
+@packed_matmul.register_fake
+def _packed_matmul_shape(x, key):
+    return x.new_empty(x.shape[0], _PACKED_MATMULS[key].out_features)
 
 
 class Linear(nn.Linear):
@@ -41,23 +124,36 @@ class Linear(nn.Linear):
     Decode steps multiply a few rows by every weight of the model, so they are
     bound by how fast weights stream from memory; oneDNN's blocked weight
     layout streams them faster than the plain row-major matmul at decode batch
-    sizes of four rows and more (fewer keep the plain weight:
-    :data:`PLAIN_MATMUL_MAX_ROWS`). :meth:`LlamaForCausalLM.pack_weights`
-    fills ``packed``; ``weight`` stays the checkpoint's tensor.
+    sizes of four rows and more (up to ``plain_max_rows`` rows keep the plain
+    weight where it measured faster: :func:`plain_rows_that_win`).
+    :meth:`LlamaForCausalLM.pack_weights` fills ``packed``; ``weight`` stays
+    the checkpoint's tensor.
     """
 
     packed: torch.Tensor | None = None
+    key: int | None = None  # set with ``packed``: what a compiled forward calls it by (:func:`packed_matmul`)
+    plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights from a measurement (plain_rows_that_win)
 
     def matmul(self, x):
         """``x @ weight.T``, through the packed weight where there is one; no bias."""
-        if self.packed is not None and use_packed(x):
+        if self.packed is not None and use_packed(x, self.plain_max_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
 
     def forward(self, x):
-        if self.packed is not None and use_packed(x):
+        if self.packed is not None and torch.compiler.is_compiling():
+            return packed_matmul(x, self.key)
+        return self.eager(x)
+
+    def eager(self, x):
+        if self.packed is not None and use_packed(x, self.plain_max_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def pack(self) -> None:
+        """Fill ``packed`` with oneDNN's layout of ``weight``, and register it for compiled forwards."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
+        self.key = register_packed(self)
 
 
 def mkldnn_bf16_supported() -> bool:
@@ -73,17 +169,25 @@ class FusedMatmul:
     in one kernel call instead of three. Calling it returns the linears'
     outputs side by side, ``[T, sum of out_features]``. The stacked weight is
     kept twice: in oneDNN's packed layout, and row-major (``weight``) for
-    batches of at most :data:`PLAIN_MATMUL_MAX_ROWS` rows.
+    batches of at most ``plain_max_rows`` rows.
     """
 
     def __init__(self, *linears: Linear):
         self.weight = torch.cat([m.weight.detach() for m in linears])
+        self.out_features = self.weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.key = register_packed(self)
+        self.plain_max_rows = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights from a measurement
 
     def __call__(self, x) -> torch.Tensor:
-        if use_packed(x):
+        if torch.compiler.is_compiling():
+            return packed_matmul(x, self.key)
+        return self.eager(x)
+
+    def eager(self, x) -> torch.Tensor:
+        if use_packed(x, self.plain_max_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -224,7 +328,7 @@ class LlamaForCausalLM(nn.Module):
 
         def clear():
             for m in linears:
-                m.packed = None
+                m.packed = m.key = None
             for layer in self.model.layers:
                 layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
 
@@ -235,19 +339,40 @@ class LlamaForCausalLM(nn.Module):
                 or (w.dtype == torch.bfloat16 and not mkldnn_bf16_supported())):
             return False
         try:
-            for layer in self.model.layers:
-                attn, mlp = layer.self_attn, layer.mlp
-                attn.fused_qkv = FusedMatmul(attn.q_proj, attn.k_proj, attn.v_proj)
-                mlp.fused_gate_up = FusedMatmul(mlp.gate_proj, mlp.up_proj)
-                for m in (attn.o_proj, mlp.down_proj):
-                    m.packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), 32)
-            self.lm_head.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)
+            self._pack()
             if not self._packing_agrees():
                 raise RuntimeError("packed and plain matmul disagree")
         except Exception:  # any build without a working oneDNN path: plain F.linear is always right
             clear()
             return False
+        self.plain_max_rows = plain_rows_that_win(self.layout_pairs()) if w.dtype == torch.float32 else 0
+        for m in self.packed_matmuls():
+            m.plain_max_rows = self.plain_max_rows
         return True
+
+    plain_max_rows = 0  # set by pack_weights: up to this many rows, the packed matmuls use the plain weights
+
+    def _pack(self) -> None:
+        """Fuse each layer's q/k/v and gate/up into a packed :class:`FusedMatmul`; pack o, down and the LM head."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.fused_qkv = FusedMatmul(attn.q_proj, attn.k_proj, attn.v_proj)
+            mlp.fused_gate_up = FusedMatmul(mlp.gate_proj, mlp.up_proj)
+            for m in (attn.o_proj, mlp.down_proj):
+                m.pack()
+        self.lm_head.pack()
+
+    def packed_matmuls(self) -> list:
+        """Every packed matmul of a forward: each layer's fused q/k/v, o, fused gate/up and down, then the LM head."""
+        out = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [attn.fused_qkv, attn.o_proj, mlp.fused_gate_up, mlp.down_proj]
+        return [m for m in out + [self.lm_head] if m is not None and m.packed is not None]
+
+    def layout_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every packed matmul as (row-major weight, oneDNN packed weight), in a forward's order (chapter 12)."""
+        return [(m.weight.detach(), m.packed) for m in self.packed_matmuls()]
 
     def _packing_agrees(self) -> bool:
         """The packed q/k/v (fused) and LM head against plain ``F.linear`` on a seeded probe."""
