@@ -64,7 +64,7 @@ def time_layouts(pairs, rows, repeats: int = 5) -> dict[int, dict[str, float]]:
     return out
 
 
-def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 3) -> int:
+def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 5) -> int:
     """The most rows (0 to :data:`PLAIN_MATMUL_MAX_ROWS`) up to which the plain layout is clearly faster here.
 
     Times the first ``pairs`` that hold ``max_bytes`` of weights (more than a
