@@ -162,8 +162,6 @@ def _engine_options(args, device) -> dict:
         opts["kv_offload_blocks"] = args.kv_offload_blocks
     if args.compile_attention:
         opts["compile_attention"] = True
-    if args.compile_model:
-        opts["compile_model"] = True
     return opts
 
 
@@ -342,9 +340,6 @@ def main(argv=None) -> int:
     b.add_argument("--compile-attention", action="store_true",
                    help="decode attention read in place, compiled by torch.compile (chapter 12; the CPU); "
                         "every batch bucket compiles before timing")
-    b.add_argument("--compile-model", action="store_true",
-                   help="the whole forward as one graph compiled by torch.compile, attention and the packed matmuls "
-                        "as opaque ops (chapter 12; the CPU; vLLM's compiled mode); it compiles before timing")
     b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",
                    help="goodput: TTFT limit in ms")
     b.add_argument("--slo-tpot", type=positive_finite_float, default=None, metavar="MS",
@@ -380,13 +375,10 @@ def main(argv=None) -> int:
             b.error("argument --workload: memory-pressure squeezes the engine's own KV pool; a server has its own")
         if args.dtype != "float32":
             b.error("argument --dtype: not with --server (the server's own --dtype sets it)")
-        for flag in ("compile_attention", "compile_model"):
-            if getattr(args, flag):
-                b.error(f"argument --{flag.replace('_', '-')}: not with --server (the server's engine is its own)")
+        if args.compile_attention:
+            b.error("argument --compile-attention: not with --server (the server's engine is its own)")
     elif args.compile_attention and args.tensor_parallel_size > 1:
         b.error("argument --compile-attention: not with --tensor-parallel-size > 1 (the workers keep the gather)")
-    elif args.compile_model and args.tensor_parallel_size > 1:
-        b.error("argument --compile-model: not with --tensor-parallel-size > 1 (the ranks run the eager forward)")
     elif args.max_num_seqs:
         check_token_budget(b, args.max_num_batched_tokens, args.max_num_seqs, "--max-num-seqs")
     return _bench(args, b)

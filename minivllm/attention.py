@@ -16,8 +16,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -45,9 +43,6 @@ __all__ = [
     "VARLEN",
     "COMPILED",
     "choose_attention_kernel",
-    "forward_context",
-    "attention_op",
-    "OpaqueAttention",
 ]
 
 GATHER = "gather+sdpa"  # gather each sequence's blocks, then SDPA over padded groups (every device)
@@ -138,46 +133,6 @@ class KVCache(Protocol):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                 batch: PagedBatch | None = None) -> torch.Tensor: ...
-
-
-_STEP = threading.local()  # this thread's (kv cache, batch) while a compiled forward runs
-
-
-@contextmanager
-def forward_context(kv, batch):
-    """The KV cache and the step's metadata that :func:`attention_op` reads while a compiled forward runs
-    (chapter 12; vLLM's ``set_forward_context``): a graph compiled once cannot take a new ``PagedBatch`` each step."""
-    previous = getattr(_STEP, "value", None)
-    _STEP.value = (kv, batch)
-    try:
-        yield
-    finally:
-        _STEP.value = previous
-
-
-@torch.library.custom_op("minivllm::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                 layer: int) -> torch.Tensor:
-    """Layer ``layer``'s attention as one opaque op of a compiled graph (chapter 12, ``compile_model``).
-
-    It runs the forward context's ``kv.forward`` eagerly: the KV written
-    through the slot mapping and the attention over the block tables, whose
-    shapes change every step. Output ``[T, heads, dim]``, contiguous.
-    """
-    kv, batch = _STEP.value
-    return kv.forward(layer, q, k, v, positions, batch).contiguous()
-
-
-@attention_op.register_fake
-def _attention_shape(q, k, v, positions, layer):
-    return q.new_empty(q.shape)
-
-
-class OpaqueAttention:
-    """The ``kv`` a compiled forward is traced with: each layer calls :func:`attention_op` (chapter 12)."""
-
-    def forward(self, layer: int, q, k, v, positions, batch=None):
-        return attention_op(q, k, v, positions, layer)
 
 
 class NoCache:

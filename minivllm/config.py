@@ -121,14 +121,6 @@ class EngineConfig:
     probe disagrees, the gather path stays, and ``stats().attention_kernel``
     says which runs. The tokens are the same either way.
 
-    ``compile_model`` (the CPU) runs the model's forward as one graph compiled
-    by ``torch.compile``, attention and the packed matmuls called as opaque
-    ops, as vLLM's compiled mode does on the CPU (chapter 12): the norms,
-    residuals, RoPE and activations fuse into C++ loops and the Python between
-    ops goes. Compiling costs about a minute on two cores, once per process
-    and model (``stats().model_compile_seconds``); where it fails, the eager
-    forward runs (``stats().model_compiled`` says which). Same tokens either way.
-
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,
     decode-only steps replay CUDA graphs (chapter 12) unless ``enforce_eager``.
@@ -182,7 +174,6 @@ class EngineConfig:
     collective_timeout: float = 60.0
     enforce_eager: bool = False
     compile_attention: bool = False
-    compile_model: bool = False
     disaggregated: bool = False
     kv_transfer_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | None = None
@@ -245,16 +236,10 @@ class EngineConfig:
         resolve_function(self.kv_handoff_cls, "kv_handoff_cls")
 
     def _check_compile(self) -> None:
-        """``compile_attention`` and ``compile_model`` (chapter 12): flags for one process; the model on the CPU."""
+        """``compile_attention`` (chapter 12): a flag, for one process."""
         check(isinstance(self.compile_attention, bool), "compile_attention", "True or False", self.compile_attention)
         check(not self.compile_attention or self.tensor_parallel_size == 1, "compile_attention",
               "False with tensor_parallel_size > 1 (the workers keep the gather path)", self.compile_attention)
-        check(isinstance(self.compile_model, bool), "compile_model", "True or False", self.compile_model)
-        check(not self.compile_model or self.tensor_parallel_size == 1, "compile_model",
-              "False with tensor_parallel_size > 1 (the ranks run the eager forward)", self.compile_model)
-        check(not self.compile_model or self.torch_device.type == "cpu", "compile_model",
-              f"False on {self.torch_device.type} (it compiles the CPU forward; a GPU replays CUDA graphs)",
-              self.compile_model)
 
     def _check_disaggregated(self) -> None:
         """Prefill and decode in two worker processes (chapter 16): one rank each, a positive ack timeout."""

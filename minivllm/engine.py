@@ -119,7 +119,6 @@ class LLMEngine:
         if self.workers is None:  # compile_attention: decode attention read in place, compiled (chapter 12)
             acceptor = getattr(self.scheduler, "acceptor", None)  # chapter 17: the greedy acceptance rule
             self.runner = ModelRunner(*args, compile_attention=config.compile_attention, **tier,
-                                      compile_model=config.compile_model,
                                       graph_runner_cls=resolve(config.graph_runner_cls),
                                       accept=acceptor.accept if acceptor is not None else None)
         else:
@@ -454,17 +453,12 @@ class LLMEngine:
                 "spec_decode_num_emitted_tokens": s.num_emitted_tokens}
 
     def _compile_stats(self) -> dict:
-        """Seconds spent compiling the in-place decode attention and the batch buckets compiled; the same for the
-        whole forward, and whether it runs compiled (chapter 12)."""
-        stats = {}
+        """Seconds spent compiling the in-place decode attention, and the batch buckets compiled (chapter 12)."""
         compiled = getattr(self.runner.kv_cache, "compiled", None)
-        if compiled is not None:
-            stats.update(attention_compile_seconds=compiled.compile_seconds,
-                         attention_compiled_buckets=compiled.bucket_sizes)
-        model = getattr(self.runner, "compiled_model", None)
-        if model is not None:
-            stats.update(model_compiled=model.active, model_compile_seconds=model.compile_seconds)
-        return stats
+        if compiled is None:
+            return {}
+        return {"attention_compile_seconds": compiled.compile_seconds,
+                "attention_compiled_buckets": compiled.bucket_sizes}
 
     def _tier_stats(self, bm) -> dict:
         """The CPU offload tier's counters, in blocks and bytes, and its share of the prefix hits (chapter 14)."""

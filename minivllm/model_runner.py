@@ -27,7 +27,6 @@ import torch
 
 from minivllm.attention import PagedBatch, PagedKVCache
 from minivllm.block_manager import slots
-from minivllm.compiled_model import CompiledModel
 from minivllm.cuda_graphs import DecodeGraphRunner
 from minivllm.sampler import Sampler, SamplerOutput, verify_drafts
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
@@ -57,9 +56,8 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  kv_cache_cls=PagedKVCache, sampler=None, num_offload_blocks: int = 0, compile_attention: bool = False,
-                 graph_runner_cls=DecodeGraphRunner, accept=None, compile_model: bool = False):
+                 graph_runner_cls=DecodeGraphRunner, accept=None):
         self.model = model
-        self.compiled_model = CompiledModel(model) if compile_model else None  # chapter 12: one compiled graph
         self.accept = accept or accept_greedy  # a greedy row's acceptance rule (chapter 17's SpecAcceptor.accept)
         self.graph_runner_cls = graph_runner_cls  # an extension point (exercise 12): what enable_decode_graphs builds
         self.device = model.lm_head.weight.device
@@ -177,8 +175,7 @@ class ModelRunner:
         else:
             ids, positions, batch, rows = self.tensors(inputs)
             mark("prepare")
-            forward = self.compiled_model or self.model.forward
-            hidden = forward(ids, positions, self.kv_cache, batch)
+            hidden = self.model.forward(ids, positions, self.kv_cache, batch)
         mark("forward")
         if len(rows) == 0:
             return None

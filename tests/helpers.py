@@ -1,6 +1,7 @@
-"""Shared test workloads and oracles."""
+"""Shared test workloads, oracles and process checks."""
 
 import random
+from pathlib import Path
 
 import torch
 
@@ -62,3 +63,11 @@ def stop_completed_by_last_token(before: str, after: str) -> str:
     end and ``before`` does not hold: the last token completes it."""
     return next(s for m in range(1, len(after) + 1)
                 if after.find(s := after[-m:]) == len(after) - m and s not in before)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (read from /proc: a test that started it stops it by PID)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from minivllm.cpu_threads import SPIN_COUNT, apply_defaults
+from minivllm.cpu_threads import MARKER, SPIN_COUNT, apply_defaults
+
+from helpers import process_alive
 
 SHOW = ("import os, sys\n"
         "{first}\n"
@@ -17,7 +19,7 @@ SHOW = ("import os, sys\n"
 
 
 def _fresh(first: str, **env) -> list[str]:
-    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", MARKER)}
     out = subprocess.run([sys.executable, "-c", SHOW.format(first=first)], env={**base, **env}, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -29,6 +31,14 @@ def test_import_minivllm_first_sets_the_spin_count_and_keeps_it_from_the_peers()
     assert value == str(SPIN_COUNT)
     assert in_peer_env == "False", "a peer engine must start with its own OpenMP defaults, not minivllm's"
     assert "minivllm's default" in words
+
+
+def test_a_worker_process_inherits_the_spin_count_as_minivllms_not_the_users():
+    """A spawned worker (tensor parallelism, disaggregation) gets minivllm's variables in its environment."""
+    value, in_peer_env, words = _fresh("import minivllm", GOMP_SPINCOUNT=str(SPIN_COUNT), **{MARKER: str(SPIN_COUNT)})
+    assert value == str(SPIN_COUNT) and "minivllm's default" in words and in_peer_env == "False"
+    value, in_peer_env, words = _fresh("import minivllm", GOMP_SPINCOUNT="5", **{MARKER: str(SPIN_COUNT)})
+    assert value == "5" and "set by the user" in words and in_peer_env == "True"  # the user changed it since
 
 
 def test_torch_imported_first_keeps_libgomps_default_and_says_so():
@@ -48,24 +58,16 @@ def test_the_users_spin_count_or_wait_policy_is_never_replaced(env):
 def test_apply_defaults_on_an_environment_without_torch_loaded(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch")  # as if torch were not loaded yet (restored after the test)
     environ = {}
-    assert apply_defaults(environ) == {"GOMP_SPINCOUNT": str(SPIN_COUNT)} == environ
+    assert apply_defaults(environ) == {"GOMP_SPINCOUNT": str(SPIN_COUNT), MARKER: str(SPIN_COUNT)} == environ
     assert apply_defaults({"OMP_WAIT_POLICY": "active"}) == {}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_busy_loops_spin_and_are_stopped_by_pid_on_exit():
     from minivllm.bench.contention import busy_loops
 
     with busy_loops(2, seconds=60) as pids:
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
-    assert not any(_alive(p) for p in pids)
+        assert len(pids) == 2 and all(process_alive(p) for p in pids)
+    assert not any(process_alive(p) for p in pids)
 
 
 def test_contention_benchmark_reports_quiet_and_loaded_figures(tmp_path):
@@ -90,10 +92,12 @@ def test_a_peers_server_starts_without_minivllms_spin_count(monkeypatch, tmp_pat
     from minivllm.bench.workloads import make_workload
     from minivllm.models import load_tokenizer
 
-    monkeypatch.setenv("GOMP_SPINCOUNT", str(SPIN_COUNT))
-    monkeypatch.setitem(cpu_threads._set_here, "GOMP_SPINCOUNT", str(SPIN_COUNT))  # as if set at import
+    for key in ("GOMP_SPINCOUNT", MARKER):
+        monkeypatch.setenv(key, str(SPIN_COUNT))
+        monkeypatch.setitem(cpu_threads._set_here, key, str(SPIN_COUNT))  # as if set at import
     monkeypatch.setattr(peers, "_require", lambda key, model: None)
     monkeypatch.setattr(peers, "export_hf_folder", lambda: tmp_path)
     workload = make_workload("offline", load_tokenizer("smollm2-135m"), num_requests=2)
     server = peers.peer_server("vllm-eager", workload, ncores=2)
-    assert "GOMP_SPINCOUNT" not in server.env and server.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert "GOMP_SPINCOUNT" not in server.env and MARKER not in server.env
+    assert server.env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"

@@ -19,6 +19,8 @@ from minivllm.disaggregation.front import HEARTBEAT_S, STEP_MARGIN_S
 from minivllm.exercises.live import chat_prompts
 from minivllm.kv_transfer import kv_bytes
 
+from helpers import process_alive
+
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -285,13 +287,7 @@ def test_serve_disaggregated_answers_like_one_engine_and_stops_its_workers(refer
         assert got == streamed == want
     assert server.returncode == 0 and "Traceback" not in server.log(), server.log()[-3000:]
     deadline = time.monotonic() + 20
-    while (alive := {p for p in workers if _alive(p)}) and time.monotonic() < deadline:
+    while (alive := {p for p in workers if process_alive(p)}) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not alive, f"worker processes {alive} outlived the server"
 
-
-def _alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

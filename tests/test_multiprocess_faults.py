@@ -16,6 +16,8 @@ import pytest
 
 from minivllm.bench import ServerProcess
 
+from helpers import process_alive
+
 END_WITHIN = 60.0  # seconds any request may take to end, faults included (the link's timeout is 3 s here)
 
 
@@ -44,13 +46,6 @@ def worker(server, name: str, timeout: float = 120.0) -> int:
             return found[0]
         time.sleep(0.1)
     raise AssertionError(f"no {name} worker under the server: {children(server.pid)}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def healthy(server) -> bool:
@@ -190,7 +185,7 @@ def test_sigterm_during_a_worker_restart_drains_within_the_grace(no_leftovers):
         workers |= set(children(server.pid))
     assert server.returncode == 0 and took < 2 + 25, (took, server.log()[-3000:])
     assert {r["end"] for r in results} <= {"done", "error", 503, "transport: ConnectError"}, results
-    wait_for(lambda: not any(alive(p) for p in workers), 20, "every worker gone after the server")
+    wait_for(lambda: not any(process_alive(p) for p in workers), 20, "every worker gone after the server")
     print(f"SIGTERM during a restart: exited in {took:.1f} s")
 
 

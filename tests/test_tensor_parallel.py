@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -23,6 +22,8 @@ from minivllm.distributed.protocol import StepMessage, decode, encode
 from minivllm.exercises.live import chat_prompts
 from minivllm.model_runner import StepInputs
 from minivllm.models import load_tokenizer
+
+from helpers import process_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,18 +46,11 @@ def _children(pid: int) -> dict[int, str]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _wait_gone(pids, seconds: float = 20.0) -> list[int]:
     deadline = time.monotonic() + seconds
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if process_alive(p)]
 
 
 @pytest.fixture(autouse=True)

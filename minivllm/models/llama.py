@@ -11,10 +11,8 @@ and values live is the job of the ``kv`` object handed to :meth:`forward`
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -71,8 +69,8 @@ def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 5) -> i
     CPU's last-level cache, so they stream from memory as in a decode step) at
     1, 2, 3 rows; a row count keeps the plain layout where it takes at most
     :data:`PLAIN_MARGIN` of the packed time, and so did every smaller one
-    (timed in turn, up to the first that loses). A tenth of a second to a
-    few, once per model load.
+    (timed in turn, up to the first that loses). Under a second, once per
+    model load.
     """
     chosen, total = [], 0
     for w, p in pairs:
@@ -89,35 +87,6 @@ def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 5) -> i
     return wins
 
 
-_PACKED_MATMULS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> a packed Linear/FusedMatmul
-_KEYS = itertools.count()
-
-
-def register_packed(matmul) -> int:
-    """A key for ``matmul`` (a packed :class:`Linear` or :class:`FusedMatmul`) that :func:`packed_matmul` finds it by."""
-    key = next(_KEYS)
-    _PACKED_MATMULS[key] = matmul
-    return key
-
-
-@torch.library.custom_op("minivllm::packed_matmul", mutates_args=())
-def packed_matmul(x: torch.Tensor, key: int) -> torch.Tensor:
-    """A packed matmul as one opaque op of a compiled graph (chapter 12, ``compile_model``).
-
-    Inductor cannot take oneDNN's packed weight as a graph input, so a compiled
-    forward calls the packed linear registered under ``key`` through this op,
-    which runs it eagerly: the matmul is exactly the eager one, the plain or
-    packed layout picked by the row count at run time (vLLM's CPU backend
-    calls its ``onednn_mm`` op the same way).
-    """
-    return _PACKED_MATMULS[key].eager(x)
-
-
-@packed_matmul.register_fake
-def _packed_matmul_shape(x, key):
-    return x.new_empty(x.shape[0], _PACKED_MATMULS[key].out_features)
-
-
 class Linear(nn.Linear):
     """``nn.Linear`` that can multiply through a prepacked oneDNN weight on the CPU (chapter 12).
 
@@ -131,7 +100,6 @@ class Linear(nn.Linear):
     """
 
     packed: torch.Tensor | None = None
-    key: int | None = None  # set with ``packed``: what a compiled forward calls it by (:func:`packed_matmul`)
     plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights from a measurement (plain_rows_that_win)
 
     def matmul(self, x):
@@ -141,19 +109,13 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight)
 
     def forward(self, x):
-        if self.packed is not None and torch.compiler.is_compiling():
-            return packed_matmul(x, self.key)
-        return self.eager(x)
-
-    def eager(self, x):
         if self.packed is not None and use_packed(x, self.plain_max_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def pack(self) -> None:
-        """Fill ``packed`` with oneDNN's layout of ``weight``, and register it for compiled forwards."""
+        """Fill ``packed`` with oneDNN's layout of ``weight``."""
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
-        self.key = register_packed(self)
 
 
 def mkldnn_bf16_supported() -> bool:
@@ -174,19 +136,12 @@ class FusedMatmul:
 
     def __init__(self, *linears: Linear):
         self.weight = torch.cat([m.weight.detach() for m in linears])
-        self.out_features = self.weight.shape[0]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.key = register_packed(self)
         self.plain_max_rows = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights from a measurement
 
     def __call__(self, x) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return packed_matmul(x, self.key)
-        return self.eager(x)
-
-    def eager(self, x) -> torch.Tensor:
         if use_packed(x, self.plain_max_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -302,6 +257,8 @@ class Backbone(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 / Qwen3 causal LM with HF parameter names, so HF state dicts load as they are."""
 
+    plain_max_rows = 0  # set by pack_weights: up to this many rows, the packed matmuls use the row-major weights
+
     def __init__(self, config):
         super().__init__()
         self.config = config
@@ -328,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
 
         def clear():
             for m in linears:
-                m.packed = m.key = None
+                m.packed = None
             for layer in self.model.layers:
                 layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
 
@@ -349,8 +306,6 @@ class LlamaForCausalLM(nn.Module):
         for m in self.packed_matmuls():
             m.plain_max_rows = self.plain_max_rows
         return True
-
-    plain_max_rows = 0  # set by pack_weights: up to this many rows, the packed matmuls use the plain weights
 
     def _pack(self) -> None:
         """Fuse each layer's q/k/v and gate/up into a packed :class:`FusedMatmul`; pack o, down and the LM head."""
