@@ -250,6 +250,9 @@ def _bench(args, parser) -> int:
     print(f"workload {workload.name}: {workload.description}; greedy, ignore_eos, seed {args.seed}")
     print(f"model {args.model} {args.dtype} on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
                                                        if device.type == "cpu" else ""), flush=True)
+    if model.lm_head.packed is not None:  # chapter 12: the layout rule this machine measured when the model loaded
+        print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above "
+              f"(measured at load)", flush=True)
     opts = _engine_options(args, device)
     results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
     results += _baselines(args, workload, device, compare, model)

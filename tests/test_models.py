@@ -118,6 +118,8 @@ def test_plain_rows_that_win_keeps_the_plain_layout_only_while_it_is_clearly_fas
     pairs = [(torch.zeros(1024, 1024), None)] * 40  # 4 MiB each: 16 of them reach the 64 MiB that are timed
     assert llama.plain_rows_that_win(pairs) == expected
     assert timed == [(r, 16) for r in range(1, min(expected + 1, 3) + 1)]  # in turn, up to the first that loses
+    timed.clear()
+    assert llama.plain_rows_that_win(pairs[:15]) == llama.PLAIN_MATMUL_MAX_ROWS and timed == []  # 60 MiB: cache-sized
 
 
 def test_matmul_layouts_times_both_layouts_over_every_layer():

@@ -70,7 +70,9 @@ def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 5) -> i
     1, 2, 3 rows; a row count keeps the plain layout where it takes at most
     :data:`PLAIN_MARGIN` of the packed time, and so did every smaller one
     (timed in turn, up to the first that loses). Under a second, once per
-    model load.
+    model load. A model with fewer than ``max_bytes`` of weights (``tiny-random``)
+    is not timed: it keeps :data:`PLAIN_MATMUL_MAX_ROWS`, so its tokens never
+    depend on a timing.
     """
     chosen, total = [], 0
     for w, p in pairs:
@@ -78,6 +80,8 @@ def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 5) -> i
         total += w.numel() * w.element_size()
         if total >= max_bytes:
             break
+    if total < max_bytes:  # weights that fit in a cache stream from it, not from memory: nothing to measure
+        return PLAIN_MATMUL_MAX_ROWS
     wins = 0
     while wins < PLAIN_MATMUL_MAX_ROWS:
         t = time_layouts(chosen, [wins + 1], repeats)[wins + 1]
