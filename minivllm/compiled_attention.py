@@ -39,7 +39,8 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     KV head ``h // group``. Returns ``[B, heads, dim]``. The keys are seen as
     ``[B, kv_heads, S, dim]`` and each KV head's queries as ``[group, dim]``,
     so compiled, one KV head's keys and values are loaded once for its whole
-    group (twice as fast as a loop per query head at 32 rows of 80 keys on a 2-core CPU).
+    group: twice as fast as a loop per query head at 32 rows of 80 keys, on
+    a 2-core CPU.
     """
     rows, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_pool.shape
