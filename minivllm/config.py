@@ -217,10 +217,12 @@ class EngineConfig:
         check(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63 - 1]", self.seed)
         check(isinstance(self.pack_weights, bool), "pack_weights", "True or False", self.pack_weights)
         check(isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager)
+        check(isinstance(self.compile_attention, bool), "compile_attention", "True or False", self.compile_attention)
+        check(not self.compile_attention or self.tensor_parallel_size == 1, "compile_attention",
+              "False with tensor_parallel_size > 1 (the workers keep the gather path)", self.compile_attention)
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
               "an integer >= 1", self.tensor_parallel_size)
         self._check_tensor_parallel_devices()
-        self._check_compile()
         self._check_kv_offload()
         self._check_disaggregated()
         self._check_speculative()
@@ -234,12 +236,6 @@ class EngineConfig:
             resolve(getattr(self, name), name)
         resolve_function(self.shard_weight, "shard_weight")
         resolve_function(self.kv_handoff_cls, "kv_handoff_cls")
-
-    def _check_compile(self) -> None:
-        """``compile_attention`` (chapter 12): a flag, for one process."""
-        check(isinstance(self.compile_attention, bool), "compile_attention", "True or False", self.compile_attention)
-        check(not self.compile_attention or self.tensor_parallel_size == 1, "compile_attention",
-              "False with tensor_parallel_size > 1 (the workers keep the gather path)", self.compile_attention)
 
     def _check_disaggregated(self) -> None:
         """Prefill and decode in two worker processes (chapter 16): one rank each, a positive ack timeout."""
