@@ -162,6 +162,8 @@ def _engine_options(args, device) -> dict:
         opts["kv_offload_blocks"] = args.kv_offload_blocks
     if args.compile_attention:
         opts["compile_attention"] = True
+    if args.compile_matvec:
+        opts["compile_matvec"] = True
     return opts
 
 
@@ -246,13 +248,16 @@ def _bench(args, parser) -> int:
     compare = [c for c in compare if c != "none"]
     if compare and not workload.is_offline:
         parser.error(f"argument --compare: needs an offline workload; {workload.name!r} has arrivals over time")
-    model, _ = load_model(args.model, device, getattr(torch, args.dtype))
+    model, _ = load_model(args.model, device, getattr(torch, args.dtype), compile_matvec=args.compile_matvec)
     print(f"workload {workload.name}: {workload.description}; greedy, ignore_eos, seed {args.seed}")
     print(f"model {args.model} {args.dtype} on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
                                                        if device.type == "cpu" else ""), flush=True)
     if model.lm_head.packed is not None:  # chapter 12: the layout rule this machine measured when the model loaded
         print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above "
               f"(measured at load)", flush=True)
+    if model.matvec is not None:
+        print(f"matmuls of up to {model.matvec_max_rows} rows: the compiled matvec (measured at load; compiled in "
+              f"{model.matvec.compile_seconds:.1f} s)", flush=True)
     opts = _engine_options(args, device)
     results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
     results += _baselines(args, workload, device, compare, model)
@@ -343,6 +348,9 @@ def main(argv=None) -> int:
     b.add_argument("--compile-attention", action="store_true",
                    help="decode attention read in place, compiled by torch.compile (chapter 12; the CPU); "
                         "every batch bucket compiles before timing")
+    b.add_argument("--compile-matvec", action="store_true",
+                   help="decode batches of one or two rows multiply through a compiled matrix-vector kernel where "
+                        "it measures faster (chapter 12; the CPU, float32); it compiles at startup")
     b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",
                    help="goodput: TTFT limit in ms")
     b.add_argument("--slo-tpot", type=positive_finite_float, default=None, metavar="MS",
@@ -380,8 +388,12 @@ def main(argv=None) -> int:
             b.error("argument --dtype: not with --server (the server's own --dtype sets it)")
         if args.compile_attention:
             b.error("argument --compile-attention: not with --server (the server's engine is its own)")
+        if args.compile_matvec:
+            b.error("argument --compile-matvec: not with --server (the server's engine is its own)")
     elif args.compile_attention and args.tensor_parallel_size > 1:
         b.error("argument --compile-attention: not with --tensor-parallel-size > 1 (the workers keep the gather)")
+    elif args.compile_matvec and args.tensor_parallel_size > 1:
+        b.error("argument --compile-matvec: not with --tensor-parallel-size > 1 (the workers keep their matmuls)")
     elif args.max_num_seqs:
         check_token_budget(b, args.max_num_batched_tokens, args.max_num_seqs, "--max-num-seqs")
     return _bench(args, b)

@@ -121,6 +121,12 @@ class EngineConfig:
     probe disagrees, the gather path stays, and ``stats().attention_kernel``
     says which runs. The tokens are the same either way.
 
+    ``compile_matvec`` (the CPU, float32) multiplies decode batches of one or
+    two rows through a matrix-vector kernel compiled by ``torch.compile``
+    where it measures faster than oneDNN's packed matmul here (chapter 12;
+    seconds to compile at startup, ``stats().matvec_rows`` says how many rows
+    it took). It computes the same products to float32 rounding.
+
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,
     decode-only steps replay CUDA graphs (chapter 12) unless ``enforce_eager``.
@@ -174,6 +180,7 @@ class EngineConfig:
     collective_timeout: float = 60.0
     enforce_eager: bool = False
     compile_attention: bool = False
+    compile_matvec: bool = False
     disaggregated: bool = False
     kv_transfer_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | None = None
@@ -217,9 +224,7 @@ class EngineConfig:
         check(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63 - 1]", self.seed)
         check(isinstance(self.pack_weights, bool), "pack_weights", "True or False", self.pack_weights)
         check(isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager)
-        check(isinstance(self.compile_attention, bool), "compile_attention", "True or False", self.compile_attention)
-        check(not self.compile_attention or self.tensor_parallel_size == 1, "compile_attention",
-              "False with tensor_parallel_size > 1 (the workers keep the gather path)", self.compile_attention)
+        self._check_compile()
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
               "an integer >= 1", self.tensor_parallel_size)
         self._check_tensor_parallel_devices()
@@ -255,6 +260,15 @@ class EngineConfig:
                   "None with tensor_parallel_size > 1 (the workers verify no drafts)", self.speculative_config)
             check(not self.disaggregated, "speculative_config",
                   "None with disaggregated=True (the decode worker verifies no drafts)", self.speculative_config)
+
+    def _check_compile(self) -> None:
+        """``compile_attention`` and ``compile_matvec``: True or False, and False over tensor-parallel workers."""
+        check(isinstance(self.compile_attention, bool), "compile_attention", "True or False", self.compile_attention)
+        check(not self.compile_attention or self.tensor_parallel_size == 1, "compile_attention",
+              "False with tensor_parallel_size > 1 (the workers keep the gather path)", self.compile_attention)
+        check(isinstance(self.compile_matvec, bool), "compile_matvec", "True or False", self.compile_matvec)
+        check(not self.compile_matvec or self.tensor_parallel_size == 1, "compile_matvec",
+              "False with tensor_parallel_size > 1 (the workers keep their matmuls)", self.compile_matvec)
 
     def _check_tensor_parallel_devices(self) -> None:
         """Ranks need a device each on CUDA (NCCL), and the CPU (gloo) elsewhere (chapter 15)."""

@@ -98,7 +98,8 @@ class LLMEngine:
         """The model (or rank 0's shard), the pool sizes, block manager, scheduler and runner."""
         device = config.torch_device if self.workers is None else self.workers.device
         if self.workers is None:
-            self.model, self.tokenizer = load_model(config.model, device, config.torch_dtype, config.pack_weights)
+            self.model, self.tokenizer = load_model(config.model, device, config.torch_dtype, config.pack_weights,
+                                                    config.compile_matvec)
         else:
             self.model = load_model_shard(config.model, self.workers.tp, device, config.torch_dtype, config.pack_weights,
                                           resolve_function(config.shard_weight, "shard_weight"))
@@ -453,12 +454,17 @@ class LLMEngine:
                 "spec_decode_num_emitted_tokens": s.num_emitted_tokens}
 
     def _compile_stats(self) -> dict:
-        """Seconds spent compiling the in-place decode attention, and the batch buckets compiled (chapter 12)."""
+        """Seconds spent compiling the in-place decode attention and the batch buckets compiled; the rows the
+        compiled matrix-vector kernel takes and its compile seconds (chapter 12)."""
+        out = {}
+        matvec = getattr(self.model, "matvec", None)
+        if matvec is not None:
+            out.update(matvec_rows=self.model.matvec_max_rows, matvec_compile_seconds=matvec.compile_seconds)
         compiled = getattr(self.runner.kv_cache, "compiled", None)
-        if compiled is None:
-            return {}
-        return {"attention_compile_seconds": compiled.compile_seconds,
-                "attention_compiled_buckets": compiled.bucket_sizes}
+        if compiled is not None:
+            out.update(attention_compile_seconds=compiled.compile_seconds,
+                       attention_compiled_buckets=compiled.bucket_sizes)
+        return out
 
     def _tier_stats(self, bm) -> dict:
         """The CPU offload tier's counters, in blocks and bytes, and its share of the prefix hits (chapter 14)."""

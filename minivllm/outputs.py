@@ -70,6 +70,8 @@ class EngineStats:
     # or "compiled in-place decode" (compile_attention=True); with the last, seconds spent compiling and the buckets
     attention_compile_seconds: float = 0.0
     attention_compiled_buckets: tuple = ()
+    matvec_rows: int = 0  # compile_matvec=True: decode batches of up to this many rows run the compiled matvec
+    matvec_compile_seconds: float = 0.0
     cuda_graph_sizes: tuple = ()  # decode batch sizes captured as CUDA graphs (empty: eager, always on the CPU)
     # Speculative decoding (chapter 17), vLLM's counters: decode rows verified with drafts, draft tokens, accepted
     # ones (in all and per draft position); every decode row, and the tokens those rows emitted (accepted + bonus)

@@ -192,7 +192,8 @@ def test_cli_bench_runs_the_engine_and_the_baselines_in_the_dtype_asked(tmp_path
 
     dtypes = []
     real_load = cli.load_model
-    monkeypatch.setattr(cli, "load_model", lambda name, device, dtype: dtypes.append(dtype) or real_load(name, device, dtype))
+    monkeypatch.setattr(cli, "load_model",
+                        lambda name, device, dtype, **kw: dtypes.append(dtype) or real_load(name, device, dtype, **kw))
     out = tmp_path / "r.json"
     assert main(["bench", "--workload", "offline", "--model", "tiny-random", "--num-requests", "3", "--dtype",
                  "bfloat16", "--prompt-len", "8", "16", "--output-len", "4", "4", "--compare", "static",

@@ -26,7 +26,7 @@ from minivllm.bench.workloads import Workload, _exactly, random_workload
 from minivllm.block_manager import BlockManager
 from minivllm.config import cdiv
 from minivllm.models import load_model
-from minivllm.models.llama import Linear, time_layouts
+from minivllm.models.llama import MATVEC_EVENT, MATVEC_MAX_ROWS, Linear, time_layouts
 from minivllm.simple_generation import generate_cached, generate_naive
 from minivllm.timing import Timer, now
 
@@ -323,14 +323,17 @@ def matmul_layouts(model, rows=(1, 2, 4, 16), repeats: int = 5) -> dict[int, dic
 
     ``"plain"`` multiplies by the row-major weights (``F.linear``), ``"packed"``
     by oneDNN's blocked copies, each over every layer's own weights in turn
-    (as a decode step streams them, not one cache-hot matrix), the two
-    alternating; each figure is the median of ``repeats``. Needs a packed model
-    (``pack_weights=True`` on a float32 CPU).
+    (as a decode step streams them, not one cache-hot matrix), alternating;
+    each figure is the median of ``repeats``. A model loaded with
+    ``compile_matvec=True`` has ``"compiled"`` too, at the row counts it
+    compiled (up to :data:`~minivllm.models.llama.MATVEC_MAX_ROWS`). Needs a
+    packed model (``pack_weights=True`` on a float32 CPU).
     """
     if model.lm_head.packed is None:
         raise ValueError("matmul_layouts needs a model with packed weights (pack_weights=True, float32 on the CPU)")
     with torch.inference_mode():
-        return time_layouts(model.layout_pairs(), rows, repeats)
+        return {r: time_layouts(model.layout_pairs(), [r], repeats, model.matvec if r <= MATVEC_MAX_ROWS else None)[r]
+                for r in rows}
 
 
 def roofline(model, workload: Workload, limits: MachineLimits) -> dict:
@@ -391,8 +394,20 @@ OP_KINDS = {  # profiler op name -> what it is, for decode_op_breakdown (first m
     "linear": "matmuls", "addmm": "matmuls", "aten::mm": "matmuls", "aten::bmm": "matmuls",
     "index_select": "KV gather", "scaled_dot_product": "attention", "varlen_attn": "attention",
     "index_copy": "KV write", "aten::max": "sampling", "argmax": "sampling",
-    "CompiledFxGraph": "attention",  # compile_attention's in-place decode (the engine compiles nothing else)
+    MATVEC_EVENT: "matmuls",  # compile_matvec's kernels (their compiled graphs run inside this event)
+    "CompiledFxGraph": "attention",  # compile_attention's in-place decode (the other compiled graph)
 }
+
+
+def _op_kind(event) -> str:
+    """The kind of a profiler event (:data:`OP_KINDS`): its own name's, or a named ancestor's (a compiled matvec's
+    graph is a matmul, whatever it is called)."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == MATVEC_EVENT:
+            return OP_KINDS[MATVEC_EVENT]
+        parent = parent.cpu_parent
+    return next((k for pattern, k in OP_KINDS.items() if pattern in event.name), "other ops")
 
 
 def decode_op_breakdown(llm, batch: int, prompt_len: int = 64, steps: int = 5, seed: int = 0) -> dict[str, float]:
@@ -417,10 +432,9 @@ def decode_op_breakdown(llm, batch: int, prompt_len: int = 64, steps: int = 5, s
     for rid in ids:
         engine.abort_request(rid)
     out = dict.fromkeys([*dict.fromkeys(OP_KINDS.values()), "other ops"], 0.0)
-    for event in prof.key_averages():
+    for event in prof.events():
         us = getattr(event, "self_device_time_total", 0) if cuda else event.self_cpu_time_total
-        kind = next((k for pattern, k in OP_KINDS.items() if pattern in event.key), "other ops")
-        out[kind] += us / 1e6 / steps
+        out[_op_kind(event)] += us / 1e6 / steps
     out["total"] = sum(out.values())
     return out
 

@@ -34,7 +34,20 @@ float32 rounding.
 """
 
 PLAIN_MARGIN = 0.9
-"""The plain layout is kept for a row count only where it takes at most this share of the packed layout's time."""
+"""A challenger layout is kept for a row count only where it takes at most this share of the incumbent's time."""
+
+MATVEC_MAX_ROWS = 2
+"""The most rows a compiled matrix-vector product may take (``compile_matvec``, chapter 12).
+
+Compiled, :func:`matvec` reads each weight once for one or two rows and
+streams it close to the memory's speed: on a 2-core AMD EPYC it took 60% of
+oneDNN's packed time at one and two rows, and lost from three rows on, where
+the packed GEMM reuses each loaded weight for more rows.
+"""
+
+MATVEC_EVENT = "compiled matvec"  # the profiler's name for a compiled matvec call (bench.decode_op_breakdown)
+
+RECOMPILE_LIMIT = 64  # weight shapes x row counts x models in one process; torch's default (8) refuses the 9th
 
 
 def use_packed(x: torch.Tensor, plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS) -> bool:
@@ -43,12 +56,17 @@ def use_packed(x: torch.Tensor, plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS) -> 
     return x.shape[0] > plain_max_rows or x.dtype != torch.float32
 
 
-def time_layouts(pairs, rows, repeats: int = 5) -> dict[int, dict[str, float]]:
+def time_layouts(pairs, rows, repeats: int = 5, compiled=None) -> dict[int, dict[str, float]]:
     """Median seconds to multiply ``rows`` rows by every ``(row-major weight, packed weight)`` of ``pairs`` in turn,
-    through each layout: ``{rows: {"plain": s, "packed": s}}``, the two alternating after one warm-up round."""
-    run = {"plain": lambda xs: [F.linear(xs[w.shape[1]], w) for w, _ in pairs],
-           "packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                                 for w, p in pairs]}
+    through each layout: ``{rows: {"plain": s, "packed": s}}``, alternating after one warm-up round (no
+    ``"packed"`` where the packed weights are None). With ``compiled`` (a :class:`CompiledMatvec`), its time is
+    there too, as ``"compiled"``."""
+    run = {"plain": lambda xs: [F.linear(xs[w.shape[1]], w) for w, _ in pairs]}
+    if all(p is not None for _, p in pairs):
+        run["packed"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                    for w, p in pairs]
+    if compiled is not None:
+        run["compiled"] = lambda xs: [compiled(xs[w.shape[1]], w) for w, _ in pairs]
     out = {}
     for r in rows:
         xs = {k: torch.randn(r, k, dtype=pairs[0][0].dtype) for k in {w.shape[1] for w, _ in pairs}}
@@ -62,33 +80,112 @@ def time_layouts(pairs, rows, repeats: int = 5) -> dict[int, dict[str, float]]:
     return out
 
 
-def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 5) -> int:
-    """The most rows (0 to :data:`PLAIN_MATMUL_MAX_ROWS`) up to which the plain layout is clearly faster here.
-
-    Times the first ``pairs`` that hold ``max_bytes`` of weights (more than a
-    CPU's last-level cache, so they stream from memory as in a decode step) at
-    1, 2, 3 rows; a row count keeps the plain layout where it takes at most
-    :data:`PLAIN_MARGIN` of the packed time, and so did every smaller one
-    (timed in turn, up to the first that loses). Under a second, once per
-    model load. A model with fewer than ``max_bytes`` of weights (``tiny-random``)
-    is not timed: it keeps :data:`PLAIN_MATMUL_MAX_ROWS`, so its tokens never
-    depend on a timing.
-    """
+def streamed_pairs(pairs, max_bytes: int = 64 << 20) -> list | None:
+    """The first ``pairs`` that hold ``max_bytes`` of weights (more than a CPU's last-level cache, so they stream
+    from memory as in a decode step); None where all of them hold less (a cache-sized model: nothing to measure)."""
     chosen, total = [], 0
     for w, p in pairs:
         chosen.append((w, p))
         total += w.numel() * w.element_size()
         if total >= max_bytes:
-            break
-    if total < max_bytes:  # weights that fit in a cache stream from it, not from memory: nothing to measure
-        return PLAIN_MATMUL_MAX_ROWS
+            return chosen
+    return None
+
+
+def rows_that_win(pairs, challenger: str, incumbent, max_rows: int, repeats: int = 5, compiled=None) -> int:
+    """The most rows (0 to ``max_rows``) up to which ``challenger`` takes at most :data:`PLAIN_MARGIN` of the time
+    of ``incumbent(rows)`` (a layout's name per row count), timed in turn up to the first row count that loses."""
     wins = 0
-    while wins < PLAIN_MATMUL_MAX_ROWS:
-        t = time_layouts(chosen, [wins + 1], repeats)[wins + 1]
-        if t["plain"] > PLAIN_MARGIN * t["packed"]:
+    while wins < max_rows:
+        t = time_layouts(pairs, [wins + 1], repeats, compiled)[wins + 1]
+        if t[challenger] > PLAIN_MARGIN * t[incumbent(wins + 1)]:
             break
         wins += 1
     return wins
+
+
+def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 5) -> int:
+    """The most rows (0 to :data:`PLAIN_MATMUL_MAX_ROWS`) up to which the plain layout is clearly faster here.
+
+    Times the first ``pairs`` that hold ``max_bytes`` of weights
+    (:func:`streamed_pairs`) at 1, 2, 3 rows; a row count keeps the plain
+    layout where it takes at most :data:`PLAIN_MARGIN` of the packed time,
+    and so did every smaller one (timed in turn, up to the first that
+    loses). Under a second, once per model load. A model with fewer than
+    ``max_bytes`` of weights (``tiny-random``) is not timed: it keeps
+    :data:`PLAIN_MATMUL_MAX_ROWS`, so its tokens never depend on a timing.
+    """
+    chosen = streamed_pairs(pairs, max_bytes)
+    if chosen is None:
+        return PLAIN_MATMUL_MAX_ROWS
+    return rows_that_win(chosen, "plain", lambda rows: "packed", PLAIN_MATMUL_MAX_ROWS, repeats)
+
+
+def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a handful of rows, said as one pass over ``weight`` (chapter 12).
+
+    Each row of ``x`` multiplies every weight row and sums along it. Eager
+    PyTorch would materialise ``weight * row`` (a weight-sized temporary per
+    row); compiled by ``torch.compile``, the rows unroll into one loop over
+    the weight that loads each weight once for every row and keeps the sums
+    in registers: a matrix-vector kernel bound by how fast memory streams.
+    """
+    return torch.stack([(weight * row).sum(-1) for row in x.unbind(0)])
+
+
+class CompiledMatvec:
+    """:func:`matvec` under ``torch.compile``: one compile per (rows, weight shape), its seconds counted.
+
+    ``compile_seconds`` is the wall time of the calls that compiled; ``shapes``
+    the (rows, weight shape, dtype, inference mode) compiled so far.
+    """
+
+    def __init__(self):
+        config = torch._dynamo.config  # raised for the whole process: dynamo reads it as each call compiles
+        config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+        self.fn = torch.compile(matvec, fullgraph=True, dynamic=False)
+        self.compile_seconds = 0.0
+        self.shapes: set[tuple] = set()
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        key = (x.shape[0], tuple(weight.shape), x.dtype, torch.is_inference_mode_enabled())
+        if torch.autograd.profiler._is_profiler_enabled:  # named for the profiler: its kernel is a matmul
+            with torch.profiler.record_function(MATVEC_EVENT):
+                return self._call(key, x, weight)
+        return self._call(key, x, weight)
+
+    def _call(self, key, x, weight):
+        if key in self.shapes:
+            return self.fn(x, weight)
+        start = time.perf_counter()
+        out = self.fn(x, weight)
+        self.shapes.add(key)
+        self.compile_seconds += time.perf_counter() - start
+        return out
+
+
+def matvec_agrees(compiled: CompiledMatvec, weights, max_rows: int) -> bool:
+    """Compile ``compiled`` for every weight shape at 1 to ``max_rows`` rows and check it against ``F.linear``
+    on seeded probes (to float32 rounding)."""
+    probe = torch.Generator().manual_seed(0)
+    for rows in range(1, max_rows + 1):
+        for w in weights:
+            x = torch.randn(rows, w.shape[1], generator=probe, dtype=w.dtype)
+            if not torch.allclose(compiled(x, w), F.linear(x, w), rtol=1e-4, atol=1e-4):
+                return False
+    return True
+
+
+def multiply(m, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ m.weight.T + bias`` through the kernel ``m``'s rules pick for ``x``'s rows (chapter 12): the compiled
+    matrix-vector product up to ``m.matvec_max_rows`` rows, the plain weight up to ``m.plain_max_rows``, else the
+    packed weight (where there is one)."""
+    if m.matvec is not None and x.shape[0] <= m.matvec_max_rows and x.dtype == torch.float32:
+        out = m.matvec(x, m.weight)
+        return out if bias is None else out + bias
+    if m.packed is not None and use_packed(x, m.plain_max_rows):
+        return torch.ops.mkldnn._linear_pointwise(x, m.packed, bias, "none", [], "")
+    return F.linear(x, m.weight, bias)
 
 
 class Linear(nn.Linear):
@@ -105,17 +202,15 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights from a measurement (plain_rows_that_win)
+    matvec: CompiledMatvec | None = None  # set by compile_matvec, for up to matvec_max_rows rows
+    matvec_max_rows: int = 0
 
     def matmul(self, x):
-        """``x @ weight.T``, through the packed weight where there is one; no bias."""
-        if self.packed is not None and use_packed(x, self.plain_max_rows):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        return F.linear(x, self.weight)
+        """``x @ weight.T`` through the kernel :func:`multiply` picks for ``x``'s rows; no bias."""
+        return multiply(self, x, None)
 
     def forward(self, x):
-        if self.packed is not None and use_packed(x, self.plain_max_rows):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return multiply(self, x, self.bias)
 
     def pack(self) -> None:
         """Fill ``packed`` with oneDNN's layout of ``weight``."""
@@ -144,11 +239,11 @@ class FusedMatmul:
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.plain_max_rows = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights from a measurement
+        self.matvec: CompiledMatvec | None = None  # set by compile_matvec
+        self.matvec_max_rows = 0
 
     def __call__(self, x) -> torch.Tensor:
-        if use_packed(x, self.plain_max_rows):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return multiply(self, x, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -262,6 +357,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 / Qwen3 causal LM with HF parameter names, so HF state dicts load as they are."""
 
     plain_max_rows = 0  # set by pack_weights: up to this many rows, the packed matmuls use the row-major weights
+    matvec: CompiledMatvec | None = None  # set by compile_matvec: up to matvec_max_rows rows, the compiled kernel
+    matvec_max_rows = 0
 
     def __init__(self, config):
         super().__init__()
@@ -288,8 +385,10 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
 
         def clear():
+            self.matvec_max_rows = 0  # the fused matmuls are rebuilt: compile_matvec again to have them compiled
             for m in linears:
                 m.packed = None
+                m.matvec_max_rows = 0
             for layer in self.model.layers:
                 layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
 
@@ -332,6 +431,50 @@ class LlamaForCausalLM(nn.Module):
     def layout_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every packed matmul as (row-major weight, oneDNN packed weight), in a forward's order (chapter 12)."""
         return [(m.weight.detach(), m.packed) for m in self.packed_matmuls()]
+
+    def matmuls(self) -> list:
+        """Every matmul of a forward in order: the packed ones (:meth:`packed_matmuls`) where packed, else every
+        :class:`Linear`."""
+        return self.packed_matmuls() or [m for m in self.modules() if isinstance(m, Linear)]
+
+    @torch.inference_mode()
+    def compile_matvec(self, max_rows: int = MATVEC_MAX_ROWS) -> int:
+        """Multiply up to ``max_rows`` rows through a compiled :func:`matvec` where it is clearly faster here
+        (chapter 12); returns how many rows it takes (0: none, as before).
+
+        Compiles every weight shape at 1 to ``max_rows`` rows now (seconds once;
+        torch keeps the kernels on disk for the next process), checks them
+        against ``F.linear``, then times them against the layout each row count
+        runs today on the model's first 64 MiB of weights (:func:`rows_that_win`,
+        as :func:`plain_rows_that_win`). A model that fits in a cache is not
+        timed and takes ``max_rows``. Float32 on the CPU only; where compiling
+        fails or disagrees, nothing changes (``max_rows=0`` turns it off). Call it after :meth:`pack_weights`;
+        :func:`~minivllm.models.load_model` does, with ``compile_matvec=True``, for a model of its own.
+        """
+        self.matvec, self.matvec_max_rows = None, 0
+        matmuls, w = self.matmuls(), self.lm_head.weight
+        for m in matmuls:
+            m.matvec, m.matvec_max_rows = None, 0
+        if w.device.type != "cpu" or w.dtype != torch.float32 or max_rows < 1:
+            return 0
+        compiled = CompiledMatvec()
+        try:
+            if not matvec_agrees(compiled, [m.weight for m in matmuls], max_rows):
+                return 0
+        except Exception:  # no working compiler: the layouts stay as they are
+            return 0
+        pairs = [(m.weight.detach(), m.packed) for m in matmuls]
+        chosen = streamed_pairs(pairs)
+        if chosen is None:
+            wins = max_rows
+        else:
+            incumbent = (lambda rows: "plain") if chosen[0][1] is None else (
+                lambda rows: "plain" if rows <= self.plain_max_rows else "packed")
+            wins = rows_that_win(chosen, "compiled", incumbent, max_rows, compiled=compiled)
+        self.matvec, self.matvec_max_rows = compiled, wins
+        for m in matmuls:
+            m.matvec, m.matvec_max_rows = compiled, wins
+        return wins
 
     def _packing_agrees(self) -> bool:
         """The packed q/k/v (fused) and LM head against plain ``F.linear`` on a seeded probe."""

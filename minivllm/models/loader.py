@@ -144,23 +144,29 @@ _checkpoints: dict[tuple, tuple] = {}  # (name, device, dtype) -> (config, weigh
 _models: dict[tuple, tuple] = {}  # (name, device, dtype, pack_weights) -> (model, tokenizer)
 
 
-def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weights: bool = True):
+def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weights: bool = True,
+               compile_matvec: bool = False):
     """Load ``(model, tokenizer)``: minivllm's own forward with the checkpoint's weights.
 
     ``pack_weights`` prepacks the linear weights for oneDNN where that works,
     fusing the q/k/v and gate/up projections (a float32 or bfloat16 model on the CPU; chapter 12), without changing what the model computes
-    beyond float32 rounding. Models are kept per (name, device, dtype,
-    pack_weights), and the packed and plain models of one checkpoint share its
-    weight tensors, so a notebook that builds several engines reads the
-    weights once. Inference never changes them.
+    beyond float32 rounding; ``compile_matvec`` then has one- and two-row
+    matmuls run a compiled kernel where it is faster
+    (:meth:`~minivllm.models.llama.LlamaForCausalLM.compile_matvec`). Models
+    are kept per (name, device, dtype, pack_weights, compile_matvec), and the
+    models of one checkpoint share its weight tensors, so a notebook that
+    builds several engines reads the weights once. Inference never changes them.
     """
     key = (name, str(torch.device(device or default_device())), dtype)
     if key not in _checkpoints:
         _checkpoints[key] = _read_checkpoint(name, key[1], dtype)
-    if key + (pack_weights,) not in _models:
+    if key + (pack_weights, compile_matvec) not in _models:
         config, weights, tokenizer = _checkpoints[key]
-        _models[key + (pack_weights,)] = (_build(config, weights, pack_weights), tokenizer)
-    return _models[key + (pack_weights,)]
+        model = _build(config, weights, pack_weights)
+        if compile_matvec:
+            model.compile_matvec()
+        _models[key + (pack_weights, compile_matvec)] = (model, tokenizer)
+    return _models[key + (pack_weights, compile_matvec)]
 
 
 def _read_checkpoint(name, device, dtype):

@@ -1,0 +1,59 @@
+"""One- and two-row matmuls through a compiled matrix-vector kernel (chapter 12, issue 31): the engine's tokens with
+``compile_matvec`` on and off, what it reports, its checks, and the op breakdown that files its kernels as matmuls.
+The model-level rule and fallbacks are in ``test_models.py``."""
+
+import pytest
+
+from minivllm import LLM, EngineConfig
+from minivllm.models.llama import MATVEC_MAX_ROWS
+
+from helpers import greedy, mixed_prompts, run_engine
+
+
+def test_engine_tokens_are_the_same_with_compile_matvec_on_and_off():
+    """Rows of one and two (the tail of a batch, and batch-1 decoding) through the compiled kernel, more rows
+    through the layouts as before: the same greedy tokens, and stats say how many rows the kernel took."""
+    from minivllm import load_tokenizer
+
+    prompts = mixed_prompts(load_tokenizer("tiny-random"), n=4)
+    requests = [(f"r{i}", p, greedy(6 + 5 * i, ignore_eos=True)) for i, p in enumerate(prompts)]
+    tokens, stats = {}, {}
+    for on in (False, True):  # lengths 6..21: the batch shrinks from four rows to one as requests finish
+        llm = LLM("tiny-random", num_blocks=64, compile_matvec=on)
+        tokens[on], stats[on] = run_engine(llm, requests), llm.engine.stats()
+        assert (llm.engine.model.matvec is not None) == on
+    assert tokens[True] == tokens[False]
+    assert stats[False].matvec_rows == 0 and stats[False].matvec_compile_seconds == 0
+    assert stats[True].matvec_rows == MATVEC_MAX_ROWS and stats[True].matvec_compile_seconds > 0
+
+
+def test_compile_matvec_is_checked():
+    with pytest.raises(ValueError, match="compile_matvec must be True or False"):
+        EngineConfig(compile_matvec=1)
+    with pytest.raises(ValueError, match="compile_matvec must be False with tensor_parallel_size > 1"):
+        EngineConfig(compile_matvec=True, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--server", "http://127.0.0.1:1", "--workload", "online"], "not with --server"),
+    (["--workload", "offline", "--tensor-parallel-size", "2"], "not with --tensor-parallel-size > 1"),
+])
+def test_bench_refuses_compile_matvec_where_it_cannot_apply(capsys, argv, words):
+    from minivllm.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--model", "tiny-random", *argv, "--compile-matvec"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --compile-matvec" in err and words in err
+
+
+def test_decode_op_breakdown_files_the_compiled_matvec_under_matmuls():
+    """At batch 1 every matmul runs the compiled kernel: the breakdown counts its time as matmuls, not as the
+    compiled attention's (both are compiled graphs)."""
+    from minivllm.bench import decode_op_breakdown
+
+    llm = LLM("tiny-random", num_blocks=32, compile_matvec=True)
+    row = decode_op_breakdown(llm, 1, prompt_len=8, steps=2)
+    assert row["matmuls"] > 0 and row["attention"] < row["matmuls"]
+    assert llm.engine.stats().num_running == 0  # the breakdown's requests are gone
