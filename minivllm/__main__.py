@@ -256,8 +256,9 @@ def _bench(args, parser) -> int:
         print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above "
               f"(measured at load)", flush=True)
     if model.matvec is not None:
-        print(f"matmuls of up to {model.matvec_max_rows} rows: the compiled matvec (measured at load; compiled in "
-              f"{model.matvec.compile_seconds:.1f} s)", flush=True)
+        print(f"matmuls of up to {model.matvec_max_rows} rows: the compiled matvec (measured at load), each layer's "
+              f"halves compiled {'whole' if model.compiled_layers else 'per matmul'}; compiled in "
+              f"{model.matvec_compile_seconds:.1f} s", flush=True)
     opts = _engine_options(args, device)
     results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
     results += _baselines(args, workload, device, compare, model)
@@ -349,8 +350,8 @@ def main(argv=None) -> int:
                    help="decode attention read in place, compiled by torch.compile (chapter 12; the CPU); "
                         "every batch bucket compiles before timing")
     b.add_argument("--compile-matvec", action="store_true",
-                   help="decode batches of one or two rows multiply through a compiled matrix-vector kernel where "
-                        "it measures faster (chapter 12; the CPU, float32); it compiles at startup")
+                   help="decode batches of one or two rows run compiled matrix-vector kernels and layers where that "
+                        "measures faster (chapter 12; the CPU, float32); it compiles at startup")
     b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",
                    help="goodput: TTFT limit in ms")
     b.add_argument("--slo-tpot", type=positive_finite_float, default=None, metavar="MS",

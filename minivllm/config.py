@@ -121,11 +121,11 @@ class EngineConfig:
     probe disagrees, the gather path stays, and ``stats().attention_kernel``
     says which runs. The tokens are the same either way.
 
-    ``compile_matvec`` (the CPU, float32) multiplies decode batches of one or
-    two rows through a matrix-vector kernel compiled by ``torch.compile``
-    where it measures faster than oneDNN's packed matmul here (chapter 12;
-    seconds to compile at startup, ``stats().matvec_rows`` says how many rows
-    it took). It computes the same products to float32 rounding.
+    ``compile_matvec`` (the CPU, float32) runs decode batches of one or two
+    rows through matrix-vector kernels and decoder-layer halves compiled by
+    ``torch.compile``, where that measures faster than the eager path here
+    (chapter 12; seconds to compile at startup, ``stats().matvec_rows`` says
+    how many rows it took). It computes the same products to float32 rounding.
 
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,

@@ -459,7 +459,7 @@ class LLMEngine:
         out = {}
         matvec = getattr(self.model, "matvec", None)
         if matvec is not None:
-            out.update(matvec_rows=self.model.matvec_max_rows, matvec_compile_seconds=matvec.compile_seconds)
+            out.update(matvec_rows=self.model.matvec_max_rows, matvec_compile_seconds=self.model.matvec_compile_seconds)
         compiled = getattr(self.runner.kv_cache, "compiled", None)
         if compiled is not None:
             out.update(attention_compile_seconds=compiled.compile_seconds,

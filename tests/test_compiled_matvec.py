@@ -57,3 +57,14 @@ def test_decode_op_breakdown_files_the_compiled_matvec_under_matmuls():
     row = decode_op_breakdown(llm, 1, prompt_len=8, steps=2)
     assert row["matmuls"] > 0 and row["attention"] < row["matmuls"]
     assert llm.engine.stats().num_running == 0  # the breakdown's requests are gone
+
+
+def test_time_compiled_decode_times_both_and_puts_the_rule_back():
+    from minivllm.models import load_model
+    from minivllm.models.llama import time_compiled_decode
+
+    model, _ = load_model("tiny-random", "cpu", compile_matvec=True)
+    t = time_compiled_decode(model, 1, repeats=1)
+    assert set(t) == {"eager", "compiled"} and all(s > 0 for s in t.values())
+    assert model.matvec_max_rows == MATVEC_MAX_ROWS
+    assert all(layer.compiled_max_rows == MATVEC_MAX_ROWS for layer in model.model.layers)

@@ -122,83 +122,107 @@ def test_plain_rows_that_win_keeps_the_plain_layout_only_while_it_is_clearly_fas
     assert llama.plain_rows_that_win(pairs[:15]) == llama.PLAIN_MATMUL_MAX_ROWS and timed == []  # 60 MiB: cache-sized
 
 
-@pytest.mark.parametrize("plain_max_rows,compiled_share,expected", [
-    (0, {1: 0.6, 2: 0.6}, 2),   # the AMD EPYC's case: compiled beats packed at one and two rows
-    (0, {1: 0.6, 2: 0.95}, 1),  # two rows within the margin: compiled takes one row only
-    (1, {1: 1.2, 2: 0.5}, 0),   # slower than plain at one row: none, whatever two rows do
-    (1, {1: 0.5, 2: 0.5}, 2),
+@pytest.mark.parametrize("compiled_share,expected", [
+    ({1: 0.6, 2: 0.6}, 2),   # the AMD EPYC's case: the compiled decode beats the layouts at one and two rows
+    ({1: 0.6, 2: 0.95}, 1),  # two rows within the margin: one row only
+    ({1: 1.2, 2: 0.5}, 0),   # slower at one row: none, whatever two rows do
+    ({1: 0.9, 2: 0.9}, 2),   # exactly the margin counts as a win
 ])
-def test_compile_matvec_takes_the_rows_where_it_is_clearly_faster(monkeypatch, plain_max_rows, compiled_share,
-                                                                  expected):
-    """The compiled matvec's rule, on faked timings: each row count races the layout it runs today (plain up to
-    plain_max_rows, packed above), in turn up to the first it loses; the rule reaches every matmul."""
+def test_compile_matvec_takes_the_rows_where_the_compiled_decode_is_clearly_faster(monkeypatch, compiled_share,
+                                                                                   expected):
+    """compile_matvec's rule, on faked timings of the compiled decode against the eager one: in turn up to the
+    first row count that loses; the rule reaches every matmul and every layer."""
     from minivllm.models import llama
 
     model, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
-    if model.lm_head.packed is None:
-        pytest.skip("oneDNN weight packing is not available here")
     raced = []
 
-    def fake(pairs, rows, repeats=5, compiled=None):
-        (r,) = rows
-        incumbent = "plain" if r <= plain_max_rows else "packed"
-        raced.append((r, incumbent))
-        times = {"plain": 2.0, "packed": 2.0, incumbent: 1.0}
-        return {r: {**times, "compiled": compiled_share[r]}}
+    def fake(model_, rows, repeats=5):
+        raced.append(rows)
+        return {"eager": 1.0, "compiled": compiled_share[rows]}
 
-    monkeypatch.setattr(llama, "time_layouts", fake)
-    monkeypatch.setattr(llama.CompiledMatvec, "__init__", lambda self: setattr(self, "fn", None))  # no compiling
+    monkeypatch.setattr(llama, "time_compiled_decode", fake)
+    monkeypatch.setattr(llama.CompiledMatvec, "__init__", lambda self: setattr(self, "compile_seconds", 0.0))
     monkeypatch.setattr(llama.CompiledMatvec, "__call__", lambda self, x, w: torch.nn.functional.linear(x, w))
-    measured = model.plain_max_rows
+    monkeypatch.setattr(llama.LlamaForCausalLM, "_compile_layers", lambda self, rows: None)  # no compiling here
     try:  # the model is load_model's shared one: put it back as it was
-        model.plain_max_rows = plain_max_rows
         assert model.compile_matvec() == expected == model.matvec_max_rows
-        assert raced == [(r, "plain" if r <= plain_max_rows else "packed") for r in range(1, min(expected + 1, 2) + 1)]
-        assert all(m.matvec_max_rows == expected and m.matvec is model.matvec for m in model.packed_matmuls())
+        assert raced == list(range(1, min(expected + 1, 2) + 1))
+        assert all(m.matvec_max_rows == expected and m.matvec is model.matvec for m in model.matmuls())
     finally:
-        model.plain_max_rows = measured
         model.compile_matvec(max_rows=0)
-    assert model.matvec is None and all(m.matvec is None for m in model.packed_matmuls())
+    assert model.matvec is None and all(m.matvec is None for m in model.matmuls())
 
 
-def test_a_compiled_matvec_takes_one_and_two_rows_and_computes_what_f_linear_does():
-    """compile_matvec on tiny-random (cache-sized: not timed, takes MATVEC_MAX_ROWS): one and two rows run the
-    compiled kernel, three run the layouts as before; products and logits equal the uncompiled model's to float32
-    rounding; stats report it."""
-    from minivllm.models.llama import MATVEC_MAX_ROWS, CompiledMatvec
+class LayerSpy:
+    """Stands in for a CompiledLayer: records the rows each half is called with, then runs the real one."""
+
+    def __init__(self, real, calls):
+        self.before = lambda layer, x, *a: calls.append(x.shape[0]) or real.before(layer, x, *a)
+        self.after = lambda layer, x, *a: calls.append(x.shape[0]) or real.after(layer, x, *a)
+
+
+def test_a_compiled_decode_takes_one_and_two_rows_and_computes_what_the_eager_model_does():
+    """compile_matvec on tiny-random (cache-sized: not timed, takes MATVEC_MAX_ROWS): one and two rows run each
+    layer's compiled halves and the compiled LM head, three run the layouts as before; the logits equal the
+    uncompiled model's to float32 rounding."""
+    from minivllm.models.llama import MATVEC_MAX_ROWS, CompiledLayer, CompiledMatvec
 
     model, _ = load_model("tiny-random", "cpu", compile_matvec=True)
     plain, _ = load_model("tiny-random", "cpu")
     assert plain is not model and plain.matvec is None  # load_model keeps the compiled model apart
     assert model.matvec_max_rows == MATVEC_MAX_ROWS == 2 and isinstance(model.matvec, CompiledMatvec)
-    calls = []
-    compiled = model.matvec
+    assert isinstance(model.compiled_layers, CompiledLayer) and model.matvec_compile_seconds > 0
+    layers, head = [], []
+    real_layers, real_head = model.compiled_layers, model.matvec
     try:
-        for m in model.matmuls():
-            m.matvec = lambda x, w, real=compiled: calls.append(x.shape[0]) or real(x, w)
+        for layer in model.model.layers:
+            layer.compiled = LayerSpy(real_layers, layers)
+        model.lm_head.matvec = lambda x, w: head.append(x.shape[0]) or real_head(x, w)
         ids = torch.tensor([5, 17, 3, 99])
         for rows in (1, 2, 3):
-            calls.clear()
+            layers.clear(), head.clear()
             got, want = model.logits(ids[:rows]), plain.logits(ids[:rows])
             assert torch.allclose(got, want, atol=1e-4), f"{rows} rows: logits differ from the uncompiled model's"
-            assert calls == ([rows] * len(model.matmuls()) if rows <= 2 else []), f"{rows} rows ran {calls}"
+            compiled = rows <= 2
+            assert layers == ([rows] * 2 * len(model.model.layers) if compiled else []), f"{rows} rows: {layers}"
+            assert head == ([rows] if compiled else []), f"{rows} rows: the LM head ran {head}"
     finally:
-        for m in model.matmuls():
-            m.matvec = compiled
-    assert compiled.compile_seconds > 0 and {key[0] for key in compiled.shapes} == {1, 2}
+        for layer in model.model.layers:
+            layer.compiled = real_layers
+        model.lm_head.matvec = real_head
 
 
 def test_compile_matvec_changes_nothing_where_compiling_fails(monkeypatch):
     from minivllm.models import llama
 
-    def broken(self, x, weight):
+    def broken(self, *args):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(llama.CompiledMatvec, "__call__", broken)
     model, _ = load_model("tiny-random", "cpu", pack_weights=False)
     try:
-        assert model.compile_matvec() == 0 and model.matvec is None
+        assert model.compile_matvec() == 0 and model.matvec is None and model.compiled_layers is None
         assert all(m.matvec is None and m.matvec_max_rows == 0 for m in model.matmuls())
+        assert all(layer.compiled is None for layer in model.model.layers)
+        assert torch.isfinite(model.logits(torch.tensor([5]))).all()
+    finally:
+        model.compile_matvec(max_rows=0)
+
+
+def test_layers_that_do_not_compile_keep_the_compiled_matvec_per_matmul(monkeypatch):
+    from minivllm.models import llama
+
+    class Broken:
+        def __init__(self):
+            raise RuntimeError("no compiler for a whole layer")
+
+    monkeypatch.setattr(llama, "CompiledLayer", Broken)
+    model, _ = load_model("tiny-random", "cpu", pack_weights=False)
+    try:
+        assert model.compile_matvec() == 2 and model.compiled_layers is None
+        assert all(layer.compiled is None and layer.compiled_max_rows == 0 for layer in model.model.layers)
+        assert all(m.matvec is model.matvec and m.matvec_max_rows == 2 for m in model.matmuls())
         assert torch.isfinite(model.logits(torch.tensor([5]))).all()
     finally:
         model.compile_matvec(max_rows=0)

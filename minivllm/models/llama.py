@@ -37,12 +37,12 @@ PLAIN_MARGIN = 0.9
 """A challenger layout is kept for a row count only where it takes at most this share of the incumbent's time."""
 
 MATVEC_MAX_ROWS = 2
-"""The most rows a compiled matrix-vector product may take (``compile_matvec``, chapter 12).
+"""The most rows ``compile_matvec``'s kernels may take (chapter 12).
 
 Compiled, :func:`matvec` reads each weight once for one or two rows and
-streams it close to the memory's speed: on a 2-core AMD EPYC it took 60% of
-oneDNN's packed time at one and two rows, and lost from three rows on, where
-the packed GEMM reuses each loaded weight for more rows.
+streams it close to the memory's speed: on a 2-core AMD EPYC it took 60-90%
+of oneDNN's packed time at one and two rows, and lost from three rows on,
+where the packed GEMM reuses each loaded weight for more rows.
 """
 
 MATVEC_EVENT = "compiled matvec"  # the profiler's name for a compiled matvec call (bench.decode_op_breakdown)
@@ -92,12 +92,12 @@ def streamed_pairs(pairs, max_bytes: int = 64 << 20) -> list | None:
     return None
 
 
-def rows_that_win(pairs, challenger: str, incumbent, max_rows: int, repeats: int = 5, compiled=None) -> int:
+def rows_that_win(pairs, challenger: str, incumbent, max_rows: int, repeats: int = 5) -> int:
     """The most rows (0 to ``max_rows``) up to which ``challenger`` takes at most :data:`PLAIN_MARGIN` of the time
     of ``incumbent(rows)`` (a layout's name per row count), timed in turn up to the first row count that loses."""
     wins = 0
     while wins < max_rows:
-        t = time_layouts(pairs, [wins + 1], repeats, compiled)[wins + 1]
+        t = time_layouts(pairs, [wins + 1], repeats)[wins + 1]
         if t[challenger] > PLAIN_MARGIN * t[incumbent(wins + 1)]:
             break
         wins += 1
@@ -133,35 +133,81 @@ def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.stack([(weight * row).sum(-1) for row in x.unbind(0)])
 
 
-class CompiledMatvec:
-    """:func:`matvec` under ``torch.compile``: one compile per (rows, weight shape), its seconds counted.
+class CountedCompile:
+    """``fn`` under ``torch.compile`` (one whole graph, static shapes), the seconds of its compiling calls counted.
 
     ``compile_seconds`` is the wall time of the calls that compiled; ``shapes``
-    the (rows, weight shape, dtype, inference mode) compiled so far.
+    the tensor arguments' (shape, dtype) and the inference mode compiled so
+    far. Under the profiler each call is named :data:`MATVEC_EVENT`.
     """
 
-    def __init__(self):
+    def __init__(self, fn):
         config = torch._dynamo.config  # raised for the whole process: dynamo reads it as each call compiles
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-        self.fn = torch.compile(matvec, fullgraph=True, dynamic=False)
+        self.fn = torch.compile(fn, fullgraph=True, dynamic=False)
         self.compile_seconds = 0.0
         self.shapes: set[tuple] = set()
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        key = (x.shape[0], tuple(weight.shape), x.dtype, torch.is_inference_mode_enabled())
-        if torch.autograd.profiler._is_profiler_enabled:  # named for the profiler: its kernel is a matmul
+    def __call__(self, *args) -> torch.Tensor:
+        key = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
+        key += (torch.is_inference_mode_enabled(),)
+        if torch.autograd.profiler._is_profiler_enabled:  # named for the profiler: its kernels are matmuls mostly
             with torch.profiler.record_function(MATVEC_EVENT):
-                return self._call(key, x, weight)
-        return self._call(key, x, weight)
+                return self._call(key, args)
+        return self._call(key, args)
 
-    def _call(self, key, x, weight):
+    def _call(self, key, args):
         if key in self.shapes:
-            return self.fn(x, weight)
+            return self.fn(*args)
         start = time.perf_counter()
-        out = self.fn(x, weight)
+        out = self.fn(*args)
         self.shapes.add(key)
         self.compile_seconds += time.perf_counter() - start
         return out
+
+
+class CompiledMatvec(CountedCompile):
+    """:func:`matvec` under ``torch.compile``: one compile per (rows, weight shape)."""
+
+    def __init__(self):
+        super().__init__(matvec)
+
+
+@torch.inference_mode()
+def time_compiled_decode(model, rows: int, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of a decode forward of ``rows`` rows without attention (every layer's halves, then the LM
+    head), ``"compiled"`` (``compile_matvec``'s kernels) and ``"eager"`` (the layouts' rule), alternating after one
+    warm-up round: every weight streams from memory, as in a decode step."""
+    x = torch.randn(rows, model.config.hidden_size)
+    cos, sin = model.rope(torch.arange(rows) + 7, x.dtype)
+    keep, times = model.matvec_max_rows, {"eager": [], "compiled": []}
+
+    def forward(h):
+        for layer in model.model.layers:
+            h = layer(h, cos, sin, None, _NO_ATTENTION, None)
+        return model.lm_head(h)
+
+    try:
+        for _ in range(repeats + 1):
+            for name, on in (("eager", 0), ("compiled", rows)):
+                model._set_compiled_rows(on)
+                start = time.perf_counter()
+                forward(x)
+                times[name].append(time.perf_counter() - start)
+    finally:
+        model._set_compiled_rows(keep)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
+
+
+class _QueriesAsOutput:
+    """A stand-in for attention in :func:`time_compiled_decode`: its output is the queries (the right shape)."""
+
+    @staticmethod
+    def forward(layer_idx, q, k, v, positions, batch):
+        return q.contiguous()
+
+
+_NO_ATTENTION = _QueriesAsOutput()
 
 
 def matvec_agrees(compiled: CompiledMatvec, weights, max_rows: int) -> bool:
@@ -180,9 +226,13 @@ def multiply(m, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ m.weight.T + bias`` through the kernel ``m``'s rules pick for ``x``'s rows (chapter 12): the compiled
     matrix-vector product up to ``m.matvec_max_rows`` rows, the plain weight up to ``m.plain_max_rows``, else the
     packed weight (where there is one)."""
-    if m.matvec is not None and x.shape[0] <= m.matvec_max_rows and x.dtype == torch.float32:
-        out = m.matvec(x, m.weight)
-        return out if bias is None else out + bias
+    if m.matvec is not None and x.dtype == torch.float32:
+        if torch.compiler.is_compiling():  # a compiled layer's half (CompiledLayer): traced into its graph
+            out = matvec(x, m.weight)
+            return out if bias is None else out + bias
+        if x.shape[0] <= m.matvec_max_rows:
+            out = m.matvec(x, m.weight)
+            return out if bias is None else out + bias
     if m.packed is not None and use_packed(x, m.plain_max_rows):
         return torch.ops.mkldnn._linear_pointwise(x, m.packed, bias, "none", [], "")
     return F.linear(x, m.weight, bias)
@@ -299,7 +349,8 @@ class Attention(nn.Module):
             return self.fused_qkv(x)
         return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
 
-    def forward(self, x, cos, sin, positions, kv, batch):
+    def qkv_rope(self, x, cos, sin):
+        """Queries and keys (RoPE applied) and values of ``x``'s rows, ``[T, heads, dim]`` each."""
         t, h, kvh = x.shape[0], self.num_heads, self.num_kv_heads
         qkv = self.project_qkv(x).view(t, h + 2 * kvh, self.head_dim)
         qk, v = qkv[:, :h + kvh], qkv[:, h + kvh:]  # every query and key head, then the value heads
@@ -307,9 +358,12 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qk[:, :h]), self.k_norm(qk[:, h:])], dim=1)
         cos, sin = cos[:, None, :], sin[:, None, :]
         qk = qk * cos + rotate_half(qk) * sin  # RoPE on queries and keys at once
-        q, k = qk[:, :h], qk[:, h:]
+        return qk[:, :h], qk[:, h:], v
+
+    def forward(self, x, cos, sin, positions, kv, batch):
+        q, k, v = self.qkv_rope(x, cos, sin)
         out = kv.forward(self.layer_idx, q, k, v, positions, batch)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -340,9 +394,46 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, positions, kv, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions, kv, batch)
+    compiled: CompiledLayer | None = None  # set by compile_matvec: both halves compiled, for up to compiled_max_rows
+    compiled_max_rows: int = 0
+
+    def before_attention(self, x, cos, sin):
+        """The layer up to attention: the queries, keys and values of the normed rows."""
+        return self.self_attn.qkv_rope(self.input_layernorm(x), cos, sin)
+
+    def after_attention(self, x, attn_out):
+        """The layer after attention: o_proj, the residual, the MLP and its residual."""
+        attn = self.self_attn
+        x = x + attn.o_proj(attn_out.reshape(x.shape[0], attn.num_heads * attn.head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward(self, x, cos, sin, positions, kv, batch):
+        before, after = type(self).before_attention, type(self).after_attention
+        if self.compiled is not None and x.shape[0] <= self.compiled_max_rows:
+            before, after = self.compiled.before, self.compiled.after
+        q, k, v = before(self, x, cos, sin)
+        out = kv.forward(self.self_attn.layer_idx, q, k, v, positions, batch)  # the paged cache: eager
+        return after(self, x, out)
+
+
+class CompiledLayer:
+    """A decoder layer's two halves around attention, each compiled as one graph (``compile_matvec``, chapter 12).
+
+    With one or two rows, each half is a few matrix-vector products with
+    norms, RoPE, the activation and the residuals between them: compiled
+    whole, the products are :func:`matvec` loops fused with their neighbours,
+    and a layer costs two calls instead of a dozen kernels. Every layer has the
+    same shapes, so one compile per row count serves all of them.
+    """
+
+    def __init__(self):
+        self.before = CountedCompile(DecoderLayer.before_attention)
+        self.after = CountedCompile(DecoderLayer.after_attention)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.before.compile_seconds + self.after.compile_seconds
+
 
 
 class Backbone(nn.Module):
@@ -359,6 +450,7 @@ class LlamaForCausalLM(nn.Module):
     plain_max_rows = 0  # set by pack_weights: up to this many rows, the packed matmuls use the row-major weights
     matvec: CompiledMatvec | None = None  # set by compile_matvec: up to matvec_max_rows rows, the compiled kernel
     matvec_max_rows = 0
+    compiled_layers: CompiledLayer | None = None  # set by compile_matvec: the layers' halves, compiled
 
     def __init__(self, config):
         super().__init__()
@@ -386,6 +478,7 @@ class LlamaForCausalLM(nn.Module):
 
         def clear():
             self.matvec_max_rows = 0  # the fused matmuls are rebuilt: compile_matvec again to have them compiled
+            self.compiled_layers = self._compile_layers(0)
             for m in linears:
                 m.packed = None
                 m.matvec_max_rows = 0
@@ -439,22 +532,27 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compile_matvec(self, max_rows: int = MATVEC_MAX_ROWS) -> int:
-        """Multiply up to ``max_rows`` rows through a compiled :func:`matvec` where it is clearly faster here
-        (chapter 12); returns how many rows it takes (0: none, as before).
+        """Run up to ``max_rows`` rows through compiled :func:`matvec` kernels where they are clearly faster here
+        (chapter 12); returns how many rows they take (0: none, as before).
 
-        Compiles every weight shape at 1 to ``max_rows`` rows now (seconds once;
-        torch keeps the kernels on disk for the next process), checks them
-        against ``F.linear``, then times them against the layout each row count
-        runs today on the model's first 64 MiB of weights (:func:`rows_that_win`,
-        as :func:`plain_rows_that_win`). A model that fits in a cache is not
-        timed and takes ``max_rows``. Float32 on the CPU only; where compiling
-        fails or disagrees, nothing changes (``max_rows=0`` turns it off). Call it after :meth:`pack_weights`;
-        :func:`~minivllm.models.load_model` does, with ``compile_matvec=True``, for a model of its own.
+        Compiles :func:`matvec` for every weight shape at 1 to ``max_rows`` rows
+        (checked against ``F.linear``) and each decoder layer's halves around
+        attention whole (:class:`CompiledLayer`, checked against the eager
+        halves; where they fail, the layers run the matvec per matmul): seconds
+        once, as torch keeps the kernels on disk for the next process. Then
+        races a decode forward through them against the eager one
+        (:func:`time_compiled_decode`), in turn from one row up to the first
+        row count where it is not clearly faster; a model that fits in a cache
+        is not timed and takes ``max_rows``. Float32 on the CPU only; where
+        compiling fails or disagrees, nothing changes (``max_rows=0`` turns it
+        all off). Call it after :meth:`pack_weights`; :func:`~minivllm.models.load_model`
+        does, with ``compile_matvec=True``, for a model of its own.
         """
         self.matvec, self.matvec_max_rows = None, 0
         matmuls, w = self.matmuls(), self.lm_head.weight
         for m in matmuls:
             m.matvec, m.matvec_max_rows = None, 0
+        self.compiled_layers = self._compile_layers(0)
         if w.device.type != "cpu" or w.dtype != torch.float32 or max_rows < 1:
             return 0
         compiled = CompiledMatvec()
@@ -463,18 +561,63 @@ class LlamaForCausalLM(nn.Module):
                 return 0
         except Exception:  # no working compiler: the layouts stay as they are
             return 0
-        pairs = [(m.weight.detach(), m.packed) for m in matmuls]
-        chosen = streamed_pairs(pairs)
-        if chosen is None:
-            wins = max_rows
-        else:
-            incumbent = (lambda rows: "plain") if chosen[0][1] is None else (
-                lambda rows: "plain" if rows <= self.plain_max_rows else "packed")
-            wins = rows_that_win(chosen, "compiled", incumbent, max_rows, compiled=compiled)
-        self.matvec, self.matvec_max_rows = compiled, wins
-        for m in matmuls:
-            m.matvec, m.matvec_max_rows = compiled, wins
+        self.matvec = compiled
+        self.compiled_layers = self._compile_layers(max_rows)  # traces matvec into each half: set the rule first
+        cache_sized = streamed_pairs([(m.weight, None) for m in matmuls]) is None
+        wins = max_rows if cache_sized else self._compiled_rows_that_win(max_rows)
+        self._set_compiled_rows(wins)
         return wins
+
+    def _set_compiled_rows(self, rows: int) -> None:
+        """Up to ``rows`` rows through the compiled matvec and (where compiled) the layers' compiled halves."""
+        self.matvec_max_rows = rows
+        for m in self.matmuls():
+            m.matvec, m.matvec_max_rows = self.matvec, rows
+        for layer in self.model.layers:
+            layer.compiled_max_rows = rows if self.compiled_layers is not None else 0
+
+    def _compiled_rows_that_win(self, max_rows: int, repeats: int = 5) -> int:
+        """The most rows (0 to ``max_rows``) up to which the compiled decode (:func:`time_compiled_decode`) took at
+        most :data:`PLAIN_MARGIN` of the eager one's time, timed in turn up to the first row count that loses."""
+        wins = 0
+        while wins < max_rows:
+            t = time_compiled_decode(self, wins + 1, repeats)
+            if t["compiled"] > PLAIN_MARGIN * t["eager"]:
+                break
+            wins += 1
+        return wins
+
+    def _compile_layers(self, rows: int) -> CompiledLayer | None:
+        """Every decoder layer's halves compiled for up to ``rows`` rows (one :class:`CompiledLayer` shared by all),
+        checked against the eager halves on layer 0; None (every layer eager) where compiling fails or disagrees."""
+        for layer in self.model.layers:
+            layer.compiled, layer.compiled_max_rows = None, 0
+        if rows < 1:
+            return None
+        layer, probe = self.model.layers[0], torch.Generator().manual_seed(0)
+        self._set_compiled_rows(rows)
+        try:
+            compiled = CompiledLayer()
+            for r in range(1, rows + 1):
+                x = torch.randn(r, self.config.hidden_size, generator=probe)
+                cos, sin = self.rope(torch.arange(r) + 7, x.dtype)
+                want, got = list(layer.before_attention(x, cos, sin)), list(compiled.before(layer, x, cos, sin))
+                attn_out = torch.randn(want[0].shape, generator=probe)
+                want.append(layer.after_attention(x, attn_out))
+                got.append(compiled.after(layer, x, attn_out))
+                if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in zip(want, got)):
+                    return None
+        except Exception:  # no working compiler for a whole layer: the per-matmul kernels stay
+            return None
+        for layer in self.model.layers:
+            layer.compiled = compiled
+        return compiled
+
+    @property
+    def matvec_compile_seconds(self) -> float:
+        """Seconds ``compile_matvec`` spent compiling: the matvec kernels and the layers' halves."""
+        layers = self.compiled_layers.compile_seconds if self.compiled_layers is not None else 0.0
+        return (self.matvec.compile_seconds if self.matvec is not None else 0.0) + layers
 
     def _packing_agrees(self) -> bool:
         """The packed q/k/v (fused) and LM head against plain ``F.linear`` on a seeded probe."""

@@ -55,7 +55,7 @@ FIELD_HELP = {
     "enforce_eager": "never replay decode steps as CUDA graphs (graphs are on by default on cuda)",
     "seed": "seed of the sampler for requests without their own seed",
     "pack_weights": "prepack (and fuse) linear weights for oneDNN on the CPU (float32, bfloat16)",
-    "compile_matvec": "decode batches of one or two rows multiply through a compiled matrix-vector kernel where it "
+    "compile_matvec": "decode batches of one or two rows run compiled matrix-vector kernels and layers where that "
                       "measures faster (the CPU, float32; compiles at startup)",
     "scheduler_cls": "scheduler class, as a dotted name",
     "block_manager_cls": "block manager class, as a dotted name",
