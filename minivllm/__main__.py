@@ -256,7 +256,8 @@ def _bench(args, parser) -> int:
         print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above "
               f"(measured at load)", flush=True)
     if model.matvec is not None:
-        print(f"matmuls of up to {model.matvec_max_rows} rows: the compiled matvec (measured at load), each layer's "
+        rows = model.matvec_max_rows
+        print(f"matmuls of up to {rows} row{'s' * (rows != 1)}: the compiled matvec (measured at load), each layer's "
               f"halves compiled {'whole' if model.compiled_layers else 'per matmul'}; compiled in "
               f"{model.matvec_compile_seconds:.1f} s", flush=True)
     opts = _engine_options(args, device)
