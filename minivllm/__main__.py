@@ -25,7 +25,8 @@ from minivllm.bench.cli import (add_min_max, block_size_int, check_token_budget,
                                 nonneg_int, positive_finite_float, positive_int, probability, server_url, top_k_int,
                                 writable_file)
 from minivllm.bench.online import BACKENDS, run_online, served_model
-from minivllm.bench.peers import ALIASES, COMPARE_PEERS, PeerMissing, batch1_tpot, peer_table, run_peer
+from minivllm.bench.peers import (ALIASES, COMPARE_PEERS, PeerMissing, batch1_tpot, peer_installed, peer_table,
+                                  run_peer)
 from minivllm.config import cdiv, default_device
 from minivllm.models import load_model, load_tokenizer, model_folder
 from minivllm.serving.cli import add_serve_arguments, check_model, serve_main
@@ -167,6 +168,11 @@ def _engine_options(args, device) -> dict:
     return opts
 
 
+def _batch1_tpot(model: str, opts: dict, workload) -> float:
+    """minivllm's batch-1 TPOT on the workload's first prompt, with the engine options of its run."""
+    return batch1_tpot(LLM(model, **opts), workload.prompts[0])
+
+
 def _print_report(args, workload, results, slo, limits, bound) -> None:
     ours = results[0]
     print()
@@ -263,16 +269,17 @@ def _bench(args, parser) -> int:
     opts = _engine_options(args, device)
     results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
     results += _baselines(args, workload, device, compare, model)
-    peer_runs = _peers(workload, [c for c in compare if c in COMPARE_PEERS], args.model)
+    peers = [c for c in compare if c in COMPARE_PEERS]
+    installed = any(peer_installed(COMPARE_PEERS[key][0]) for key in peers)
+    our_tpot = _batch1_tpot(args.model, opts, workload) if installed else None  # right after our run, as the peers do
+    peer_runs = _peers(workload, peers, args.model)
     results += [run.result for run in peer_runs.values()]
     slo = _slo(args)
     limits = measure_machine(model) if args.roofline else None
     bound = roofline(model, workload, limits) if limits else None
     _print_report(args, workload, results, slo, limits, bound)
     if peer_runs:
-        llm = LLM(args.model, **opts)
-        print("\n" + peer_table(results[0], batch1_tpot(llm, workload.prompts[0]), peer_runs))
-        del llm
+        print("\n" + peer_table(results[0], our_tpot, peer_runs))
     breakdown = _decode_breakdown(args, device) if args.breakdown else None
     if args.json:
         _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown)

@@ -227,7 +227,7 @@ def multiply(m, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     matrix-vector product up to ``m.matvec_max_rows`` rows, the plain weight up to ``m.plain_max_rows``, else the
     packed weight (where there is one)."""
     if m.matvec is not None and x.dtype == torch.float32:
-        if torch.compiler.is_compiling():  # a compiled layer's half (CompiledLayer): traced into its graph
+        if torch.compiler.is_compiling() and x.shape[0] <= MATVEC_MAX_ROWS:  # a CompiledLayer half: traced in
             out = matvec(x, m.weight)
             return out if bias is None else out + bias
         if x.shape[0] <= m.matvec_max_rows:
@@ -435,7 +435,6 @@ class CompiledLayer:
         return self.before.compile_seconds + self.after.compile_seconds
 
 
-
 class Backbone(nn.Module):
     def __init__(self, config, head_dim: int):
         super().__init__()
@@ -477,11 +476,10 @@ class LlamaForCausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
 
         def clear():
-            self.matvec_max_rows = 0  # the fused matmuls are rebuilt: compile_matvec again to have them compiled
+            self.matvec, self.matvec_max_rows = None, 0  # the fused matmuls are rebuilt: compile_matvec again
             self.compiled_layers = self._compile_layers(0)
             for m in linears:
-                m.packed = None
-                m.matvec_max_rows = 0
+                m.packed, m.matvec, m.matvec_max_rows = None, None, 0
             for layer in self.model.layers:
                 layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
 
