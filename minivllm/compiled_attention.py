@@ -27,7 +27,8 @@ __all__ = ["COMPILED", "paged_decode_attention", "batch_bucket", "pad_to_bucket"
 
 COMPILED = "compiled in-place decode"  # decode rows read the pool through the block table, compiled (CPU)
 
-RECOMPILE_LIMIT = 64  # buckets x dtypes x pool shapes in one process; torch's default (8) refuses the 9th
+RECOMPILE_LIMIT = 64  # shapes one compiled function meets in a process (here buckets x dtypes x pool shapes; the
+# compiled matvec's rows x weight shapes x models); torch's default (8) refuses the 9th
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import NoCache
+from minivllm.compiled_attention import RECOMPILE_LIMIT
 
 PLAIN_MATMUL_MAX_ROWS = 3
 """The most rows a packed model may multiply through the plain row-major weight (chapter 12).
@@ -46,8 +47,6 @@ where the packed GEMM reuses each loaded weight for more rows.
 """
 
 MATVEC_EVENT = "compiled matvec"  # the profiler's name for a compiled matvec call (bench.decode_op_breakdown)
-
-RECOMPILE_LIMIT = 64  # weight shapes x row counts x models in one process; torch's default (8) refuses the 9th
 
 
 def use_packed(x: torch.Tensor, plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS) -> bool:
