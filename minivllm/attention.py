@@ -273,6 +273,14 @@ class PagedBatch:
             cached = self._write_slots = (scratch_slot, mapped)
         return cached[1]
 
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step's block tables and context lengths, every row in token order, padded for the
+        compiled in-place decode (:func:`pad_to_bucket`); built once per step."""
+        cached = getattr(self, "_decode_tables", None)
+        if cached is None:
+            cached = self._decode_tables = pad_to_bucket(self.block_table.long(), self.context_lens.long())
+        return cached
+
     def _varlen_metadata(self, block_tables, context_lens, query_lens, device) -> None:
         """What :data:`VARLEN` reads: cumulative query starts, context lengths and the int32 block tables."""
         width = max(map(len, block_tables), default=1)
@@ -484,6 +492,21 @@ class PagedKVCache:
                 return o.flatten(0, 1)
             out[g.out_index] = o.flatten(0, 1) if g.all_valid else o[g.valid]  # decodes: no padding rows
         return out
+
+    def decode_in_place(self, layer: int, batch: PagedBatch | None) -> tuple | None:
+        """What a decoder layer compiled whole with its attention reads in a decode-only step (``compile_matvec``,
+        chapter 12): the layer's flat pools, the write slots, the block tables and context lengths, the block size
+        (:func:`~minivllm.compiled_attention.write_and_attend`'s arguments after q, k and v). None for any other
+        step, and where a subclass attends its own way: its ``forward`` runs instead."""
+        if (batch is None or batch.max_q != 1 or self.attention_kernel == VARLEN
+                or type(self).forward is not PagedKVCache.forward
+                or type(self)._attend_group is not PagedKVCache._attend_group):
+            return None
+        tables, context_lens = batch.decode_tables()
+        k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
+        for pool in (k_slots, v_slots):  # one compile serves every pool size
+            torch._dynamo.mark_dynamic(pool, 0)
+        return k_slots, v_slots, batch.write_slots(self.scratch_slot), tables, context_lens, self.block_size
 
     def _attend_group(self, g: AttentionGroup, queries, k_pool, v_pool) -> torch.Tensor:
         """One group's output ``[B, Lq, heads, D]``: decode rows compiled in place where chosen, else gathered."""

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-__all__ = ["COMPILED", "paged_decode_attention", "batch_bucket", "pad_to_bucket", "CompiledDecodeAttention"]
+__all__ = ["COMPILED", "paged_decode_attention", "write_and_attend", "batch_bucket", "pad_to_bucket",
+           "CompiledDecodeAttention"]
 
 COMPILED = "compiled in-place decode"  # decode rows read the pool through the block table, compiled (CPU)
 
@@ -55,6 +56,23 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     return (weights[..., None] * values[:, :, None]).sum(-2).reshape(rows, heads, dim)
+
+
+def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                     write: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     block_size: int) -> torch.Tensor:
+    """A decode step's whole attention for one layer: write ``k`` and ``v`` at slots ``write`` of the flat pools
+    ``[slots + scratch, kv_heads, dim]``, then :func:`paged_decode_attention` over them, in place.
+
+    Said in tensor ops alone, so ``compile_matvec`` traces it into a decoder
+    layer's one compiled graph with the matmuls around it (chapter 12).
+    """
+    k_slots.index_copy_(0, write, k)
+    v_slots.index_copy_(0, write, v)
+    slots = k_slots.shape[0] - 1  # the last slot is the scratch slot, outside every block
+    k_pool = k_slots[:slots].view(slots // block_size, block_size, *k_slots.shape[1:])
+    v_pool = v_slots[:slots].view(slots // block_size, block_size, *v_slots.shape[1:])
+    return paged_decode_attention(q, k_pool, v_pool, block_tables, context_lens)
 
 
 def batch_bucket(rows: int) -> int:

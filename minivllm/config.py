@@ -122,8 +122,8 @@ class EngineConfig:
     says which runs. The tokens are the same either way.
 
     ``compile_matvec`` (the CPU, float32) runs decode batches of one or two
-    rows through matrix-vector kernels and decoder-layer halves compiled by
-    ``torch.compile``, where that measures faster than the eager path here
+    rows through matrix-vector kernels and whole decoder layers (their paged
+    attention too, in a decode-only step) compiled by ``torch.compile``, where that measures faster than the eager path here
     (chapter 12; seconds to compile at startup, ``stats().matvec_rows`` says
     how many rows it took). It computes the same products to float32 rounding.
 

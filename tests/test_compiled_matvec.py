@@ -68,3 +68,76 @@ def test_time_compiled_decode_times_both_and_puts_the_rule_back():
     assert set(t) == {"eager", "compiled"} and all(s > 0 for s in t.values())
     assert model.matvec_max_rows == MATVEC_MAX_ROWS
     assert all(layer.compiled_max_rows == MATVEC_MAX_ROWS for layer in model.model.layers)
+
+
+def test_decode_only_steps_run_each_layer_whole_with_its_paged_attention():
+    """compile_matvec: a decode-only step of one or two rows runs each layer as one compiled call, its paged
+    attention (write_and_attend) inside; steps with a prefill run the halves with attention eager between them.
+    The tokens equal the eager engine's."""
+    from minivllm import load_tokenizer
+
+    prompts = mixed_prompts(load_tokenizer("tiny-random"), n=3)
+    requests = [(f"r{i}", p, greedy(5 + 6 * i, ignore_eos=True)) for i, p in enumerate(prompts)]
+    want = run_engine(LLM("tiny-random", num_blocks=64), requests)
+    llm = LLM("tiny-random", num_blocks=64, compile_matvec=True)
+    model = llm.engine.model
+    compiled = model.compiled_layers
+    assert compiled is not None and compiled.step is not None
+    steps, halves = [], []
+    real_step, real_before = compiled.step.fn, compiled.before.fn
+    compiled.step.fn = lambda layer, x, *a: steps.append(x.shape[0]) or real_step(layer, x, *a)
+    compiled.before.fn = lambda layer, x, *a: halves.append(x.shape[0]) or real_before(layer, x, *a)
+    try:
+        got = run_engine(llm, requests)
+    finally:
+        compiled.step.fn, compiled.before.fn = real_step, real_before
+    assert got == want
+    layers = len(model.model.layers)
+    assert set(steps) == {1, 2} and len(steps) % layers == 0  # the batch shrinks from three rows to one
+    assert halves == []  # the halves are for steps of one or two rows with a prefill: none here
+    assert compiled.step.shapes == {(1, 16, True), (2, 16, True)}  # one compile per row count, any context
+
+
+def test_a_readers_kv_cache_keeps_its_own_attention_under_compile_matvec():
+    """A PagedKVCache subclass with its own forward (exercise 05's backend) is never bypassed by the whole-layer
+    step: its forward runs for every layer of every step, and the tokens are the eager engine's."""
+    from minivllm import load_tokenizer
+    from minivllm.attention import PagedKVCache
+
+    seen = []
+
+    class ReadersCache(PagedKVCache):
+        def forward(self, layer, q, k, v, positions, batch):
+            seen.append(q.shape[0])
+            return super().forward(layer, q, k, v, positions, batch)
+
+        forward.skips_padding_slots = True
+
+    prompts = mixed_prompts(load_tokenizer("tiny-random"), n=2)
+    requests = [(f"r{i}", p, greedy(6, ignore_eos=True)) for i, p in enumerate(prompts)]
+    want = run_engine(LLM("tiny-random", num_blocks=64), requests)
+    llm = LLM("tiny-random", num_blocks=64, compile_matvec=True, attention_backend=ReadersCache)
+    assert llm.engine.model.compiled_layers.step is not None
+    assert run_engine(llm, requests) == want
+    assert 2 in seen and len(seen) % len(llm.engine.model.model.layers) == 0  # its decode steps too
+
+
+def test_a_whole_layer_step_that_disagrees_is_dropped_for_the_halves(monkeypatch):
+    """compile_matvec checks the whole-layer step against the eager one on a small pool; one that computes
+    something else is dropped (step None) and the halves stay, so the tokens are still right."""
+    from minivllm.models import llama, load_model
+
+    class WrongStep(llama.CompiledLayer):
+        def __init__(self):
+            super().__init__()
+            self.step = llama.CountedCompile(lambda layer, x, *a: 2 * llama.DecoderLayer.decode_step(layer, x, *a),
+                                             lambda args: (args[1].shape[0], args[-1]))
+
+    monkeypatch.setattr(llama, "CompiledLayer", WrongStep)
+    model, _ = load_model("tiny-random", "cpu", pack_weights=False)
+    try:
+        assert model.compile_matvec() == 2
+        assert isinstance(model.compiled_layers, WrongStep) and model.compiled_layers.step is None
+        assert all(layer.compiled is model.compiled_layers for layer in model.model.layers)
+    finally:
+        model.compile_matvec(max_rows=0)

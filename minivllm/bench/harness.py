@@ -394,7 +394,8 @@ OP_KINDS = {  # profiler op name -> what it is, for decode_op_breakdown (first m
     "linear": "matmuls", "addmm": "matmuls", "aten::mm": "matmuls", "aten::bmm": "matmuls",
     "index_select": "KV gather", "scaled_dot_product": "attention", "varlen_attn": "attention",
     "index_copy": "KV write", "aten::max": "sampling", "argmax": "sampling",
-    MATVEC_EVENT: "matmuls",  # compile_matvec's kernels (their compiled graphs run inside this event)
+    MATVEC_EVENT: "matmuls",  # compile_matvec's graphs (run inside this event): matvec loops, the small ops fused in,
+    # and in a one- or two-row decode step the layer's attention too; filed as matmuls, most of their time
     "CompiledFxGraph": "attention",  # compile_attention's in-place decode (the other compiled graph)
 }
 

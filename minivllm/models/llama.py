@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.attention import NoCache
-from minivllm.compiled_attention import RECOMPILE_LIMIT
+from minivllm.compiled_attention import RECOMPILE_LIMIT, pad_to_bucket, write_and_attend
+from minivllm.config import EngineConfig
 
 PLAIN_MATMUL_MAX_ROWS = 3
 """The most rows a packed model may multiply through the plain row-major weight (chapter 12).
@@ -136,20 +137,22 @@ class CountedCompile:
     """``fn`` under ``torch.compile`` (one whole graph, static shapes), the seconds of its compiling calls counted.
 
     ``compile_seconds`` is the wall time of the calls that compiled; ``shapes``
-    the tensor arguments' (shape, dtype) and the inference mode compiled so
-    far. Under the profiler each call is named :data:`MATVEC_EVENT`.
+    what each compile was for: ``shape_of(args)`` (by default every tensor
+    argument's shape and dtype) and the inference mode. Under the profiler
+    each call is named :data:`MATVEC_EVENT`.
     """
 
-    def __init__(self, fn):
+    def __init__(self, fn, shape_of=None):
         config = torch._dynamo.config  # raised for the whole process: dynamo reads it as each call compiles
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
         self.fn = torch.compile(fn, fullgraph=True, dynamic=False)
+        self.shape_of = shape_of or (lambda args: tuple((tuple(a.shape), a.dtype) for a in args
+                                                        if isinstance(a, torch.Tensor)))
         self.compile_seconds = 0.0
         self.shapes: set[tuple] = set()
 
     def __call__(self, *args) -> torch.Tensor:
-        key = tuple((tuple(a.shape), a.dtype) for a in args if isinstance(a, torch.Tensor))
-        key += (torch.is_inference_mode_enabled(),)
+        key = self.shape_of(args) + (torch.is_inference_mode_enabled(),)
         if torch.autograd.profiler._is_profiler_enabled:  # named for the profiler: its kernels are matmuls mostly
             with torch.profiler.record_function(MATVEC_EVENT):
                 return self._call(key, args)
@@ -406,9 +409,20 @@ class DecoderLayer(nn.Module):
         x = x + attn.o_proj(attn_out.reshape(x.shape[0], attn.num_heads * attn.head_dim))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def decode_step(self, x, cos, sin, k_slots, v_slots, write, block_tables, context_lens, block_size: int):
+        """The whole layer in a decode-only step, its paged attention included (:func:`write_and_attend`): what
+        ``compile_matvec`` compiles as one graph, so a layer is one call."""
+        q, k, v = self.before_attention(x, cos, sin)
+        out = write_and_attend(q, k, v, k_slots, v_slots, write, block_tables, context_lens, block_size)
+        return self.after_attention(x, out)
+
     def forward(self, x, cos, sin, positions, kv, batch):
         before, after = type(self).before_attention, type(self).after_attention
         if self.compiled is not None and x.shape[0] <= self.compiled_max_rows:
+            in_place = getattr(kv, "decode_in_place", None)  # the paged cache, in a decode-only step
+            pools = in_place(self.self_attn.layer_idx, batch) if in_place is not None else None
+            if pools is not None and self.compiled.step is not None:
+                return self.compiled.step(self, x, cos, sin, *pools)
             before, after = self.compiled.before, self.compiled.after
         q, k, v = before(self, x, cos, sin)
         out = kv.forward(self.self_attn.layer_idx, q, k, v, positions, batch)  # the paged cache: eager
@@ -416,22 +430,30 @@ class DecoderLayer(nn.Module):
 
 
 class CompiledLayer:
-    """A decoder layer's two halves around attention, each compiled as one graph (``compile_matvec``, chapter 12).
+    """A decoder layer compiled (``compile_matvec``, chapter 12): whole, and as its two halves around attention.
 
-    With one or two rows, each half is a few matrix-vector products with
-    norms, RoPE, the activation and the residuals between them: compiled
-    whole, the products are :func:`matvec` loops fused with their neighbours,
-    and a layer costs two calls instead of a dozen kernels. Every layer has the
-    same shapes, so one compile per row count serves all of them.
+    With one or two rows, a layer is a few matrix-vector products with norms,
+    RoPE, the activation and the residuals between them: compiled, the
+    products are :func:`matvec` loops fused with their neighbours. ``step``
+    is the whole layer of a decode-only step, its paged attention too (one
+    call a layer; the block tables' width is dynamic, so one compile per row
+    count serves every context length); ``before`` and ``after`` are the
+    halves, for rows whose attention runs eager (a prefill's, or a cache that
+    is not the paged pools). Every layer has the same shapes, so one compile
+    per row count serves all of them. ``step`` is None where it failed to
+    compile or to agree.
     """
 
     def __init__(self):
         self.before = CountedCompile(DecoderLayer.before_attention)
         self.after = CountedCompile(DecoderLayer.after_attention)
+        self.step: CountedCompile | None = CountedCompile(DecoderLayer.decode_step,
+                                                           lambda args: (args[1].shape[0], args[-1]))  # rows, block size
 
     @property
     def compile_seconds(self) -> float:
-        return self.before.compile_seconds + self.after.compile_seconds
+        parts = (self.before, self.after) + ((self.step,) if self.step is not None else ())
+        return sum(part.compile_seconds for part in parts)
 
 
 class Backbone(nn.Module):
@@ -606,9 +628,40 @@ class LlamaForCausalLM(nn.Module):
                     return None
         except Exception:  # no working compiler for a whole layer: the per-matmul kernels stay
             return None
+        if not self._decode_step_agrees(compiled, rows):
+            compiled.step = None  # the halves, with attention eager between them
         for layer in self.model.layers:
             layer.compiled = compiled
         return compiled
+
+    def _decode_step_agrees(self, compiled: CompiledLayer, rows: int) -> bool:
+        """``compiled.step`` at 1 to ``rows`` rows against the eager :meth:`DecoderLayer.decode_step` on layer 0,
+        over a small seeded paged pool of the engine's default block size (the compile the engine then uses): the
+        output and the keys and values it wrote."""
+        layer, probe = self.model.layers[0], torch.Generator().manual_seed(1)
+        block_size, heads = EngineConfig.block_size, (self.config.num_key_value_heads, self.head_dim)
+        pools = [torch.randn(8 * block_size + 1, *heads, generator=probe) for _ in range(2)]  # 8 blocks + scratch
+        tables = torch.tensor([[1, 3, 5], [2, 4, 6]])
+        context_lens = torch.tensor([2 * block_size + 3, block_size + 2])  # into each row's third and second block
+        try:
+            for r in range(1, rows + 1):
+                x = torch.randn(r, self.config.hidden_size, generator=probe)
+                cos, sin = self.rope(context_lens[:r] - 1, x.dtype)
+                ends = context_lens[:r] - 1  # each row's new token: its slot through its block table
+                write = tables[:r].gather(1, (ends // block_size)[:, None])[:, 0] * block_size + ends % block_size
+                meta = (write, *pad_to_bucket(tables[:r], context_lens[:r]), block_size)
+                with torch.inference_mode(False):  # the engine's pools are ordinary tensors, not inference ones
+                    want_pools, got_pools = [[p.clone() for p in pools] for _ in range(2)]
+                for pool in got_pools:  # as the paged cache marks its pools: one compile for every pool size
+                    torch._dynamo.mark_dynamic(pool, 0)
+                want = DecoderLayer.decode_step(layer, x, cos, sin, *want_pools, *meta)
+                got = compiled.step(layer, x, cos, sin, *got_pools, *meta)
+                if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+                           for a, b in zip([want, *want_pools], [got, *got_pools])):
+                    return False
+        except Exception:  # a compiler that cannot take the attention in: the halves stay
+            return False
+        return True
 
     @property
     def matvec_compile_seconds(self) -> float:
