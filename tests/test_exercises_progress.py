@@ -60,8 +60,13 @@ def test_a_failing_part_shows_its_checks_message(tmp_path, capsys):
     assert "what a paged cache leaves empty        passes" in out and "2 of 2 parts written, 1 pass" in out
 
 
-def test_the_solutions_pass_every_check(tmp_path):
+def test_the_solutions_pass_their_checks_through_the_status_command(tmp_path):
+    """The command over the solutions' written files, for the chapters with two parts (every solution notebook
+    already runs its own check on the file it wrote, under ``pytest --nbval``: the command's wiring is what is
+    tested here, on a few chapters, so the test command stays short)."""
     write_parts(ROOT / "solutions", tmp_path)
-    result = run_status(tmp_path)
+    chapters = sorted({p.chapter for p in PARTS if sum(q.chapter == p.chapter for q in PARTS) > 1})
+    result = run_status(tmp_path, "--chapters", *chapters)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count(" passes") == len(PARTS), result.stdout
+    chosen = [p for p in PARTS if p.chapter in chapters]
+    assert len(chosen) >= 6 and result.stdout.count(" passes") == len(chosen), result.stdout

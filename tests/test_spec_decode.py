@@ -159,9 +159,10 @@ def test_drafts_leave_one_token_of_budget_for_every_other_running_sequence():
 # -- greedy equivalence on the chat prompts --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def chat():
-    """The 16 chat prompts and smollm2's greedy outputs without speculation (the oracle)."""
+    """8 chat prompts (two of them several hundred tokens of notes) and smollm2's greedy outputs without
+    speculation (the oracle)."""
     llm = LLM("smollm2-135m", num_blocks=1000, max_num_seqs=8, device="cpu")
-    prompts = chat_prompts(llm.get_tokenizer())
+    prompts = chat_prompts(llm.get_tokenizer(), 8)
     outs = llm.generate(prompts, greedy(MAX_NEW), use_tqdm=False)
     return prompts, [o.outputs[0].token_ids for o in outs]
 
