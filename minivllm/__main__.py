@@ -262,10 +262,11 @@ def _bench(args, parser) -> int:
         print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above "
               f"(measured at load)", flush=True)
     if model.matvec is not None:
-        rows = model.matvec_max_rows
-        print(f"matmuls of up to {rows} row{'s' * (rows != 1)}: the compiled matvec (measured at load), each layer's "
-              f"halves compiled {'whole' if model.compiled_layers else 'per matmul'}; compiled in "
-              f"{model.matvec_compile_seconds:.1f} s", flush=True)
+        rows, layers = model.matvec_max_rows, model.compiled_layers
+        how = ("each layer compiled whole, its attention too in decode-only steps" if layers and layers.step else
+               "each layer's halves compiled whole" if layers else "each matmul compiled")
+        print(f"matmuls of up to {rows} row{'s' * (rows != 1)}: the compiled matvec (measured at load), {how}; "
+              f"compiled in {model.matvec_compile_seconds:.1f} s", flush=True)
     opts = _engine_options(args, device)
     results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
     results += _baselines(args, workload, device, compare, model)
