@@ -72,8 +72,8 @@ def test_time_compiled_decode_times_both_and_puts_the_rule_back():
 
 def test_decode_only_steps_run_each_layer_whole_with_its_paged_attention():
     """compile_matvec: a decode-only step of one or two rows runs each layer as one compiled call, its paged
-    attention (write_and_attend) inside; steps with a prefill run the halves with attention eager between them.
-    The tokens equal the eager engine's."""
+    attention (write_and_attend) inside, never the halves (those are for one- or two-row steps with a prefill,
+    none here; test_models covers them). The tokens equal the eager engine's."""
     from minivllm import load_tokenizer
 
     prompts = mixed_prompts(load_tokenizer("tiny-random"), n=3)
@@ -124,7 +124,7 @@ def test_a_readers_kv_cache_keeps_its_own_attention_under_compile_matvec():
 
 def test_a_whole_layer_step_that_disagrees_is_dropped_for_the_halves(monkeypatch):
     """compile_matvec checks the whole-layer step against the eager one on a small pool; one that computes
-    something else is dropped (step None) and the halves stay, so the tokens are still right."""
+    something else is dropped (step None) and the halves stay on every layer."""
     from minivllm.models import llama, load_model
 
     class WrongStep(llama.CompiledLayer):

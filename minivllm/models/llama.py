@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.attention import NoCache
-from minivllm.compiled_attention import RECOMPILE_LIMIT, pad_to_bucket, write_and_attend
+from minivllm.attention import NoCache, PagedBatch
+from minivllm.compiled_attention import RECOMPILE_LIMIT, write_and_attend
 from minivllm.config import EngineConfig
 
 PLAIN_MATMUL_MAX_ROWS = 3
@@ -641,15 +641,13 @@ class LlamaForCausalLM(nn.Module):
         layer, probe = self.model.layers[0], torch.Generator().manual_seed(1)
         block_size, heads = EngineConfig.block_size, (self.config.num_key_value_heads, self.head_dim)
         pools = [torch.randn(8 * block_size + 1, *heads, generator=probe) for _ in range(2)]  # 8 blocks + scratch
-        tables = torch.tensor([[1, 3, 5], [2, 4, 6]])
-        context_lens = torch.tensor([2 * block_size + 3, block_size + 2])  # into each row's third and second block
+        tables, context_lens = [[1, 3, 5], [2, 4, 6]], [2 * block_size + 3, block_size + 2]  # third, second block
         try:
             for r in range(1, rows + 1):
                 x = torch.randn(r, self.config.hidden_size, generator=probe)
-                cos, sin = self.rope(context_lens[:r] - 1, x.dtype)
-                ends = context_lens[:r] - 1  # each row's new token: its slot through its block table
-                write = tables[:r].gather(1, (ends // block_size)[:, None])[:, 0] * block_size + ends % block_size
-                meta = (write, *pad_to_bucket(tables[:r], context_lens[:r]), block_size)
+                cos, sin = self.rope(torch.tensor(context_lens[:r]) - 1, x.dtype)
+                step = PagedBatch(tables[:r], context_lens[:r], [1] * r, block_size, "cpu")  # one decode row each
+                meta = (step.write_slots(8 * block_size), *step.decode_tables(), block_size)
                 with torch.inference_mode(False):  # the engine's pools are ordinary tensors, not inference ones
                     want_pools, got_pools = [[p.clone() for p in pools] for _ in range(2)]
                 for pool in got_pools:  # as the paged cache marks its pools: one compile for every pool size
