@@ -38,24 +38,27 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
     ``q`` is ``[B, heads, dim]``; the pools are ``[blocks, block_size,
     kv_heads, dim]``; ``block_tables`` is ``[B, W]``. Query head ``h`` reads
-    KV head ``h // group``. Returns ``[B, heads, dim]``. The keys are seen as
-    ``[B, kv_heads, S, dim]`` and each KV head's queries as ``[group, dim]``,
-    so compiled, one KV head's keys and values are loaded once for its whole
-    group: twice as fast as a loop per query head at 32 rows of 80 keys, on
-    a 2-core CPU.
+    KV head ``h // group``. Returns ``[B, heads, dim]``. The keys stay
+    ``[B, W, block_size, kv_heads, dim]``, as the table hands them out, and
+    each KV head's queries are ``[group, dim]``, so compiled, a key is loaded
+    once for its whole group, and a key's address is its block's number
+    times the block's size plus its offset, with no division: the softmax
+    and the sum of values run over the two dimensions (block, offset)
+    together.
     """
     rows, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_pool.shape
     width = block_tables.shape[1]
-    keys = k_pool[block_tables].view(rows, width * block_size, kv_heads, dim).permute(0, 2, 1, 3)  # an indexed load
-    values = v_pool[block_tables].view(rows, width * block_size, kv_heads, dim).permute(0, 2, 1, 3)
-    queries = q.view(rows, kv_heads, heads // kv_heads, 1, dim)
-    scores = (queries * keys[:, :, None]).sum(-1) * (1.0 / math.sqrt(dim))  # [B, kv_heads, group, S]
-    position = torch.arange(width * block_size, device=q.device)
-    hidden = position[None, :] >= context_lens[:, None]  # keys past the context (and the table's padding)
-    scores = scores.masked_fill(hidden[:, None, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    return (weights[..., None] * values[:, :, None]).sum(-2).reshape(rows, heads, dim)
+    keys = k_pool[block_tables][..., None, :]  # [B, W, block_size, kv_heads, 1, dim]: an indexed load
+    values = v_pool[block_tables][..., None, :]
+    queries = q.view(rows, 1, 1, kv_heads, heads // kv_heads, dim)
+    scores = (queries * keys).sum(-1) * (1.0 / math.sqrt(dim))  # [B, W, block_size, kv_heads, group]
+    position = torch.arange(width * block_size, device=q.device).view(width, block_size)
+    hidden = position >= context_lens[:, None, None]  # keys past the context (and the table's padding)
+    scores = scores.masked_fill(hidden[..., None, None], float("-inf"))
+    weights = (scores - scores.amax(dim=(1, 2), keepdim=True)).exp()  # a softmax over (block, offset)
+    weights = weights / weights.sum(dim=(1, 2), keepdim=True)
+    return (weights[..., None] * values).sum(dim=(1, 2)).reshape(rows, heads, dim)
 
 
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
