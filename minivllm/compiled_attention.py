@@ -38,13 +38,13 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
 
     ``q`` is ``[B, heads, dim]``; the pools are ``[blocks, block_size,
     kv_heads, dim]``; ``block_tables`` is ``[B, W]``. Query head ``h`` reads
-    KV head ``h // group``. Returns ``[B, heads, dim]``. The keys stay
-    ``[B, W, block_size, kv_heads, dim]``, as the table hands them out, and
-    each KV head's queries are ``[group, dim]``, so compiled, a key is loaded
-    once for its whole group, and a key's address is its block's number
-    times the block's size plus its offset, with no division: the softmax
-    and the sum of values run over the two dimensions (block, offset)
-    together.
+    KV head ``h // group``. Returns ``[B, heads, dim]``.
+
+    The keys stay ``[B, W, block_size, kv_heads, dim]``, as the table hands
+    them out, and the softmax and the sum of values run over (block, offset)
+    together. Compiled, a key's address is then its block number times the
+    block size plus its offset, with no division per key, and each key is
+    loaded once for its KV head's whole group of queries.
     """
     rows, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_pool.shape
