@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.attention import NoCache, PagedBatch
+from minivllm.attention import NoCache, PagedBatch, PagedKVCache
 from minivllm.compiled_attention import RECOMPILE_LIMIT, write_and_attend
 from minivllm.config import EngineConfig
 
@@ -175,18 +175,29 @@ class CompiledMatvec(CountedCompile):
         super().__init__(matvec)
 
 
+RACE_CONTEXT = 256
+"""Tokens of context per row in :func:`time_compiled_decode`'s decode step (chapter 12): a chat turn's worth."""
+
+
 @torch.inference_mode()
-def time_compiled_decode(model, rows: int, repeats: int = 5) -> dict[str, float]:
-    """Median seconds of a decode forward of ``rows`` rows without attention (every layer's halves, then the LM
-    head), ``"compiled"`` (``compile_matvec``'s kernels) and ``"eager"`` (the layouts' rule), alternating after one
-    warm-up round: every weight streams from memory, as in a decode step."""
-    x = torch.randn(rows, model.config.hidden_size)
-    cos, sin = model.rope(torch.arange(rows) + 7, x.dtype)
+def time_compiled_decode(model, rows: int, repeats: int = 5, context: int = RACE_CONTEXT) -> dict[str, float]:
+    """Median seconds of a decode step's forward of ``rows`` rows, each at ``context`` tokens of paged KV (every
+    layer, its attention included, then the LM head), ``"compiled"`` (``compile_matvec``'s path: each layer's
+    compiled step, attention in place) and ``"eager"`` (the layouts' rule, the paged cache's attention),
+    alternating after one warm-up round: every weight streams from memory, as in a decode step."""
+    c, block_size = model.config, EngineConfig.block_size
+    blocks = -(-context // block_size)
+    kv = PagedKVCache.for_model(model, rows * blocks, block_size)
+    batch = PagedBatch([list(range(r * blocks, (r + 1) * blocks)) for r in range(rows)], [context] * rows,
+                       [1] * rows, block_size, "cpu", c.num_attention_heads // c.num_key_value_heads)
+    positions = torch.full((rows,), context - 1)
+    x = torch.randn(rows, c.hidden_size)
+    cos, sin = model.rope(positions, x.dtype)
     keep, times = model.matvec_max_rows, {"eager": [], "compiled": []}
 
     def forward(h):
         for layer in model.model.layers:
-            h = layer(h, cos, sin, None, _NO_ATTENTION, None)
+            h = layer(h, cos, sin, positions, kv, batch)
         return model.lm_head(h)
 
     try:
@@ -199,17 +210,6 @@ def time_compiled_decode(model, rows: int, repeats: int = 5) -> dict[str, float]
     finally:
         model._set_compiled_rows(keep)
     return {name: statistics.median(t[1:]) for name, t in times.items()}
-
-
-class _QueriesAsOutput:
-    """A stand-in for attention in :func:`time_compiled_decode`: its output is the queries (the right shape)."""
-
-    @staticmethod
-    def forward(layer_idx, q, k, v, positions, batch):
-        return q.contiguous()
-
-
-_NO_ATTENTION = _QueriesAsOutput()
 
 
 def matvec_agrees(compiled: CompiledMatvec, weights, max_rows: int) -> bool:
@@ -559,8 +559,8 @@ class LlamaForCausalLM(nn.Module):
         attention whole (:class:`CompiledLayer`, checked against the eager
         halves; where they fail, the layers run the matvec per matmul): seconds
         once, as torch keeps the kernels on disk for the next process. Then
-        races a decode forward through them against the eager one
-        (:func:`time_compiled_decode`), in turn from one row up to the first
+        races a decode step through them, its paged attention included,
+        against the eager one (:func:`time_compiled_decode`), in turn from one row up to the first
         row count where it is not clearly faster; a model that fits in a cache
         is not timed and takes ``max_rows``. Float32 on the CPU only; where
         compiling fails or disagrees, nothing changes (``max_rows=0`` turns it
