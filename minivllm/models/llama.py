@@ -560,11 +560,11 @@ class LlamaForCausalLM(nn.Module):
         halves; where they fail, the layers run the matvec per matmul): seconds
         once, as torch keeps the kernels on disk for the next process. Then
         races a decode step through them, its paged attention included,
-        against the eager one (:func:`time_compiled_decode`), in turn from one row up to the first
-        row count where it is not clearly faster; a model that fits in a cache
-        is not timed and takes ``max_rows``. Float32 on the CPU only; where
-        compiling fails or disagrees, nothing changes (``max_rows=0`` turns it
-        all off). Call it after :meth:`pack_weights`; :func:`~minivllm.models.load_model`
+        against the eager one (:func:`time_compiled_decode`), in turn from one
+        row up to the first row count where it is not clearly faster; a model
+        that fits in a cache is not timed and takes ``max_rows``. Float32 on
+        the CPU only; where compiling fails or disagrees, nothing changes
+        (``max_rows=0`` turns it all off). Call it after :meth:`pack_weights`; :func:`~minivllm.models.load_model`
         does, with ``compile_matvec=True``, for a model of its own.
         """
         self.matvec, self.matvec_max_rows = None, 0
