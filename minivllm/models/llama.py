@@ -564,8 +564,9 @@ class LlamaForCausalLM(nn.Module):
         row up to the first row count where it is not clearly faster; a model
         that fits in a cache is not timed and takes ``max_rows``. Float32 on
         the CPU only; where compiling fails or disagrees, nothing changes
-        (``max_rows=0`` turns it all off). Call it after :meth:`pack_weights`; :func:`~minivllm.models.load_model`
-        does, with ``compile_matvec=True``, for a model of its own.
+        (``max_rows=0`` turns it all off). Call it after :meth:`pack_weights`;
+        :func:`~minivllm.models.load_model` does, with ``compile_matvec=True``,
+        for a model of its own.
         """
         self.matvec, self.matvec_max_rows = None, 0
         matmuls, w = self.matmuls(), self.lm_head.weight
