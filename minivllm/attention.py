@@ -244,11 +244,15 @@ class PagedBatch:
     so no layer loops over sequences. A kind is split further, by length, only
     where the padding saved is worth one more attention call
     (:func:`split_by_padding`; chapter 12 measures it), so a small batch has at
-    most two groups.
+    most two groups. With ``split_decodes=False`` the decode rows stay one
+    group, whatever their lengths: what the compiled in-place decode wants
+    (``PagedKVCache.splits_decode_rows``), as it copies no keys and a padding
+    row reads block 0 again, from cache.
     """
 
     def __init__(self, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
-                 block_size: int, device, num_queries_per_kv: int = 1, slot_mapping: list[int] | None = None):
+                 block_size: int, device, num_queries_per_kv: int = 1, slot_mapping: list[int] | None = None,
+                 split_decodes: bool = True):
         self.block_size = block_size
         self.num_queries_per_kv = num_queries_per_kv
         starts = [0, *itertools.accumulate(query_lens)][:-1]  # where each sequence's tokens begin
@@ -259,10 +263,11 @@ class PagedBatch:
         self.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
         self._varlen_metadata(block_tables, context_lens, query_lens, device)
         self.groups: list[AttentionGroup] = []
-        for wanted in (lambda n: n == 1, lambda n: n > 1):
+        for wanted, split in ((lambda n: n == 1, split_decodes), (lambda n: n > 1, True)):
             rows = sorted((b for b, n in enumerate(query_lens) if wanted(n)), key=lambda b: len(block_tables[b]))
-            for part in split_by_padding(rows, [len(block_tables[b]) * block_size for b in rows],
-                                         [query_lens[b] for b in rows]):  # a group's row order is free: keep the step's
+            parts = (split_by_padding(rows, [len(block_tables[b]) * block_size for b in rows],
+                                      [query_lens[b] for b in rows]) if split else [rows] if rows else [])
+            for part in parts:  # a group's row order is free: keep the step's
                 self.groups.append(self._group(sorted(part), block_tables, context_lens, query_lens, starts, device))
 
     def write_slots(self, scratch_slot: int) -> torch.Tensor:
@@ -429,6 +434,13 @@ class PagedKVCache:
         return cls(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, model.head_dim,
                    p.dtype, p.device, num_cpu_blocks, c.num_attention_heads // c.num_key_value_heads,
                    num_offload_blocks=num_offload_blocks, compile_attention=compile_attention)
+
+    @property
+    def splits_decode_rows(self) -> bool:
+        """Whether a step's decode rows should be cut into groups by length (:class:`PagedBatch`'s
+        ``split_decodes``): yes for the gather, which copies every padded key, no for the compiled in-place decode,
+        where one call over all the rows beats one per group (chapter 12 measures it)."""
+        return self.compiled is None
 
     def warm_up(self, max_rows: int) -> float:
         """Compile the in-place decode's batch buckets up to ``max_rows`` now, if it runs; the seconds it took."""

@@ -111,7 +111,8 @@ class ModelRunner:
     def tensors(self, inputs: StepInputs):
         """Input ids, positions, the attention metadata and the rows to sample, on the device."""
         batch = PagedBatch(inputs.block_tables, inputs.context_lens, inputs.query_lens, self.block_size, self.device,
-                           self.num_queries_per_kv, inputs.slot_mapping)
+                           self.num_queries_per_kv, inputs.slot_mapping,
+                           split_decodes=getattr(self.kv_cache, "splits_decode_rows", True))
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(inputs.token_ids), as_tensor(inputs.positions), batch, as_tensor(inputs.logits_rows)
 

@@ -48,6 +48,21 @@ def test_split_by_padding_keeps_small_batches_whole_and_cuts_spread_ones():
     assert split_by_padding([], [], []) == []
 
 
+def test_decode_rows_stay_one_group_when_the_cache_reads_them_in_place():
+    from minivllm.attention import COMPILED, GATHER, PagedBatch, PagedKVCache
+
+    lens = [16 * (1 + i % 20) for i in range(32)] + [40]  # 32 spread decode rows, then a 40-token prefill
+    tables = [list(range(n // 16 + 1)) for n in lens]
+    query_lens = [1] * 32 + [40]
+    split = PagedBatch(tables, lens, query_lens, 16, "cpu", 3)
+    whole = PagedBatch(tables, lens, query_lens, 16, "cpu", 3, split_decodes=False)
+    assert len(split.groups) >= 3  # the gather cuts the decodes, and the prefill is a group of its own
+    assert len(whole.groups) == 2 and whole.groups[0].block_tables.shape[0] == 32
+    assert [sorted(g.out_index.tolist()) for g in whole.groups] == [list(range(32)), list(range(32, 72))]
+    assert not PagedKVCache(1, 4, 16, 1, 8, attention_kernel=COMPILED).splits_decode_rows
+    assert PagedKVCache(1, 4, 16, 1, 8, attention_kernel=GATHER).splits_decode_rows
+
+
 def _paged_step(ctx: list[int], qlen: list[int], seed: int = 0):
     """One paged-attention step over random KV: (output, per-sequence reference output, the batch)."""
     import random

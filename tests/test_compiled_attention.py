@@ -89,19 +89,32 @@ def test_a_bucket_that_fails_to_compile_falls_back_to_the_gather_for_good(monkey
     assert cache.attention_kernel == GATHER and cache.compiled is None
 
 
-def test_engine_tokens_are_the_same_with_compiled_attention_on_and_forced_off(smollm2):
-    from minivllm import load_tokenizer
+def test_engine_tokens_are_the_same_with_compiled_attention_on_and_forced_off(smollm2, monkeypatch):
+    from minivllm import load_tokenizer, model_runner
 
+    decode_groups = []  # per decode-only step: how many groups its rows were attended in
+
+    class Recorded(model_runner.PagedBatch):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            if self.max_q == 1:
+                decode_groups[-1].append(len(self.groups))
+
+    monkeypatch.setattr(model_runner, "PagedBatch", Recorded)
     prompts = mixed_prompts(load_tokenizer("smollm2-135m"), n=6)
     requests = [(f"r{i}", p, greedy(12 + 3 * i, ignore_eos=True)) for i, p in enumerate(prompts)]
     tokens, stats = {}, {}
     for on in (False, True):  # chunked prefill: prefill chunks and decodes share steps (a mixed group)
-        entries = compiled_entries()
+        decode_groups.append([])
         llm = LLM("smollm2-135m", num_blocks=256, compile_attention=on, enable_chunked_prefill=True,
                   max_prefill_chunk_size=64, max_num_batched_tokens=96)
+        entries = compiled_entries()  # after the load's agreement probe (its own shapes, not a bucket's)
         tokens[on], stats[on] = run_engine(llm, requests), llm.engine.stats()
         assert compiled_entries() - entries <= len(stats[on].attention_compiled_buckets)  # no hidden recompiles
     assert tokens[True] == tokens[False]
+    gathered, compiled = decode_groups
+    assert max(gathered) > 1, "the workload's decode rows are spread enough for the gather to cut them"
+    assert set(compiled) == {1}, "the compiled in-place decode takes a step's decode rows in one call"
     assert stats[False].attention_kernel == GATHER and stats[False].attention_compile_seconds == 0
     assert stats[True].attention_kernel == COMPILED and stats[True].attention_compile_seconds > 0
     assert stats[True].attention_compiled_buckets and all(
