@@ -45,6 +45,7 @@ __all__ = [
     "choose_attention_kernel",
 ]
 
+MAX_GROUPS = 4  # padded attention calls a kind of row (decode, prefill) may be cut into, per step
 GATHER = "gather+sdpa"  # gather each sequence's blocks, then SDPA over padded groups (every device)
 VARLEN = "varlen+block_table"  # torch's varlen_attn reading the pool through the block table (FlashAttention, Ampere+)
 
@@ -263,11 +264,11 @@ class PagedBatch:
         self.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
         self._varlen_metadata(block_tables, context_lens, query_lens, device)
         self.groups: list[AttentionGroup] = []
-        for wanted, split in ((lambda n: n == 1, split_decodes), (lambda n: n > 1, True)):
+        decode_groups = MAX_GROUPS if split_decodes else 1
+        for wanted, max_groups in ((lambda n: n == 1, decode_groups), (lambda n: n > 1, MAX_GROUPS)):
             rows = sorted((b for b, n in enumerate(query_lens) if wanted(n)), key=lambda b: len(block_tables[b]))
-            parts = (split_by_padding(rows, [len(block_tables[b]) * block_size for b in rows],
-                                      [query_lens[b] for b in rows]) if split else [rows] if rows else [])
-            for part in parts:  # a group's row order is free: keep the step's
+            for part in split_by_padding(rows, [len(block_tables[b]) * block_size for b in rows],
+                                         [query_lens[b] for b in rows], max_groups):  # in step order (free in a group)
                 self.groups.append(self._group(sorted(part), block_tables, context_lens, query_lens, starts, device))
 
     def write_slots(self, scratch_slot: int) -> torch.Tensor:
@@ -346,7 +347,7 @@ class PagedBatch:
                               query_index[valid], bool(qlen.min() == max_q), every_token, ctx)
 
 
-def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = 4,
+def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = MAX_GROUPS,
                      min_saving: int = 1024, gather_cost: int = 6) -> list[list]:
     """Cut ``rows`` (sorted by ``key_lens``) into at most ``max_groups`` runs padded separately.
 
