@@ -1,5 +1,9 @@
 """minivllm's own Llama forward against HF transformers on the same weights."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -300,3 +304,18 @@ def test_unknown_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type"):
         load_model(str(tmp_path))
+
+
+def test_starting_an_engine_without_compiling_imports_no_compiler():
+    """The loader builds the model on "meta": a random init there would import torch._dynamo (about 1 s of every
+    worker's and rank's start) for weights the checkpoint then replaces. The model still matches the checkpoint."""
+    code = ("import sys, torch, minivllm; from minivllm.models import load_model; "
+            "llm = minivllm.LLM('tiny-random', device='cpu'); "
+            "model, _ = load_model('tiny-random', 'cpu'); "
+            "out = llm.generate([[5, 6, 7]], minivllm.SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False); "
+            "print('torch._dynamo' in sys.modules, len(out[0].outputs[0].token_ids), "
+            "float(model.model.embed_tokens.weight.abs().sum()) > 0, model.inv_freq.device)")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "4", "True", "cpu"], out.stdout

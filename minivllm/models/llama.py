@@ -317,7 +317,8 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu")  # also when building on "meta"
+        return 1.0 / (theta ** (exponents / head_dim)), 1.0  # (see Backbone): the loader moves it to the device
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # only for scaled RoPE variants
 
     return ROPE_INIT_FUNCTIONS[rope_type](config)
@@ -459,7 +460,11 @@ class CompiledLayer:
 class Backbone(nn.Module):
     def __init__(self, config, head_dim: int):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # The loader builds the model on "meta", then hands it the checkpoint's weights. There a random init (or any
+        # factory but empty) runs torch's Python reference, whose first call imports torch._dynamo: about 1 s of
+        # every process that starts an engine (a worker, a rank). So the embedding is given an empty weight.
+        shape = (config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape))
         self.layers = nn.ModuleList(DecoderLayer(config, i, head_dim) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
