@@ -249,7 +249,7 @@ def _build(config, weights: dict, pack_weights: bool, make=LlamaForCausalLM) -> 
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
     device = model.lm_head.weight.device
-    model.inv_freq = rope_inv_freq(config, model.head_dim)[0].to(device)  # buffers built on "meta" hold no values
+    model.inv_freq = rope_inv_freq(config, model.head_dim)[0].to(device)  # built on the CPU (see rope_inv_freq)
     model.eval()
     model.pack_weights(pack_weights)
     return model
