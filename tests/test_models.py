@@ -306,9 +306,10 @@ def test_unknown_architecture_is_refused(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_starting_an_engine_without_compiling_imports_no_compiler():
+def test_starting_an_engine_imports_no_compiler_and_no_architecture_config():
     """The loader builds the model on "meta": a random init there would import torch._dynamo (about 1 s of every
-    worker's and rank's start) for weights the checkpoint then replaces. The embedding is still the checkpoint's."""
+    worker's and rank's start) for weights the checkpoint then replaces. The embedding is still the checkpoint's.
+    Nor does it import transformers' Llama config class, which pulls in torch.distributed.tensor (about 1.3 s)."""
     code = ("import sys, torch, minivllm; from minivllm.models import load_model, model_folder; "
             "from safetensors.torch import load_file; "
             "llm = minivllm.LLM('tiny-random', device='cpu'); "
@@ -316,8 +317,72 @@ def test_starting_an_engine_without_compiling_imports_no_compiler():
             "out = llm.generate([[5, 6, 7]], minivllm.SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False); "
             "saved = load_file(next(model_folder('tiny-random').glob('*.safetensors')))['model.embed_tokens.weight']; "
             "print('torch._dynamo' in sys.modules, len(out[0].outputs[0].token_ids), "
-            "torch.equal(model.model.embed_tokens.weight, saved), model.inv_freq.device)")
+            "torch.equal(model.model.embed_tokens.weight, saved), model.inv_freq.device, "
+            "'torch.distributed.tensor' in sys.modules)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["False", "4", "True", "cpu"], out.stdout
+    assert out.stdout.split() == ["False", "4", "True", "cpu", "False"], out.stdout
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random", "tiny-random-8h"])
+def test_a_config_that_states_the_forward_fields_reads_as_transformers_reads_it(name):
+    """load_config takes such a config.json as it stands, without the architecture's class; every field the forward
+    reads, and the RoPE table, are what AutoConfig gives."""
+    from transformers import AutoConfig
+
+    from minivllm.models import load_config, model_folder
+    from minivllm.models.llama import rope_inv_freq
+    from minivllm.models.loader import FORWARD_FIELDS
+
+    ours, theirs = load_config(name), AutoConfig.from_pretrained(model_folder(name))
+    assert type(ours).__name__ != "LlamaConfig", "the architecture's config class was loaded"
+    for field in FORWARD_FIELDS + ("model_type", "attention_bias"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+    assert torch.equal(rope_inv_freq(ours, ours.head_dim)[0], rope_inv_freq(theirs, theirs.head_dim)[0])
+
+
+def test_a_config_that_leaves_a_field_out_or_scales_rope_goes_through_transformers(tmp_path):
+    """Where config.json omits a field the forward reads, the architecture's default fills it (KV heads = query
+    heads for Llama); scaled RoPE in transformers 4's spelling (``rope_scaling``) is applied, not dropped."""
+    import json
+
+    from minivllm.models import load_config, model_folder
+    from minivllm.models.llama import rope_inv_freq
+
+    raw = json.loads((model_folder("tiny-random") / "config.json").read_text())
+    plain = rope_inv_freq(load_config("tiny-random"), raw["head_dim"])[0]
+    no_kv = tmp_path / "no_kv_heads"
+    no_kv.mkdir()
+    (no_kv / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "num_key_value_heads"}))
+    config = load_config(str(no_kv))
+    assert (type(config).__name__, config.num_key_value_heads) == ("LlamaConfig", raw["num_attention_heads"])
+    scaled = tmp_path / "linear_rope"
+    scaled.mkdir()
+    theta = raw["rope_parameters"]["rope_theta"]
+    v4 = {**{k: v for k, v in raw.items() if k != "rope_parameters"}, "rope_theta": theta,
+          "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    (scaled / "config.json").write_text(json.dumps(v4))
+    config = load_config(str(scaled))
+    assert type(config).__name__ == "LlamaConfig"  # transformers 4's generic class would not read rope_scaling
+    assert torch.allclose(rope_inv_freq(config, raw["head_dim"])[0], plain / 2)
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random"])
+def test_the_embedded_models_tokenizer_is_the_one_autotokenizer_loads(name):
+    """load_tokenizer loads the folders the loader writes without AutoTokenizer (which loads the model config
+    class first): the same ids, text, chat template and special tokens."""
+    from transformers import AutoTokenizer
+
+    from minivllm.models import load_tokenizer, model_folder
+
+    ours, theirs = load_tokenizer(name), AutoTokenizer.from_pretrained(model_folder(name))
+    assert type(ours) is type(theirs)
+    for text in PROMPTS + ["ünïcode  spaces\n\n\t<|im_end|>"]:
+        assert ours(text)["input_ids"] == theirs(text)["input_ids"], text
+        assert ours.decode(ours(text)["input_ids"]) == theirs.decode(theirs(text)["input_ids"]), text
+    chat = [{"role": "user", "content": "What is paged attention?"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == theirs.apply_chat_template(
+        chat, add_generation_prompt=True)
+    assert (ours.all_special_ids, ours.eos_token_id, ours.pad_token_id, len(ours)) == (
+        theirs.all_special_ids, theirs.eos_token_id, theirs.pad_token_id, len(theirs))

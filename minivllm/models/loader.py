@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from minivllm.config import default_device
 from minivllm.models.llama import LlamaForCausalLM, rope_inv_freq
@@ -40,6 +40,9 @@ TINY_RANDOM_8H = "tiny-random-8h"
 TINY_HEADS = {TINY_RANDOM: (4, 2), TINY_RANDOM_8H: (8, 4)}  # (query heads, KV heads) of the seeded tiny models
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# What the forward reads from a config; a config.json that states all of it needs no architecture class (load_config).
+FORWARD_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
 
 
 def cache_dir() -> Path:
@@ -137,6 +140,10 @@ def model_folder(name: str = SMOLLM2) -> Path:
 
 
 def load_tokenizer(name: str = SMOLLM2):
+    """The checkpoint's tokenizer. The folders this module writes hold transformers' generic fast tokenizer and
+    load it directly; ``AutoTokenizer`` would first load the model's config class (see :func:`load_config`)."""
+    if name == SMOLLM2 or name in TINY_HEADS:
+        return PreTrainedTokenizerFast.from_pretrained(model_folder(name))
     return AutoTokenizer.from_pretrained(model_folder(name))
 
 
@@ -182,11 +189,28 @@ def _read_checkpoint(name, device, dtype):
 
 
 def load_config(name: str = SMOLLM2):
-    """The checkpoint's HF config (a supported architecture), without reading any weight."""
-    config = AutoConfig.from_pretrained(model_folder(name))
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
-    return config
+    """The checkpoint's HF config (a supported architecture), without reading any weight.
+
+    A ``config.json`` that states every one of :data:`FORWARD_FIELDS` and plain RoPE is taken as it stands
+    (transformers' generic config class). Any other goes through ``AutoConfig``, whose architecture class fills
+    in that architecture's defaults and scaled RoPE, and whose import pulls in ``torch.distributed.tensor``:
+    about 1.3 s of every engine's start on a 2-core CPU.
+    """
+    folder = model_folder(name)
+    raw = json.loads((folder / "config.json").read_text())
+    if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {raw.get('model_type')!r}")
+    if all(field in raw for field in FORWARD_FIELDS) and _plain_rope(raw):
+        return PretrainedConfig(**raw)
+    return AutoConfig.from_pretrained(folder)
+
+
+def _plain_rope(raw: dict) -> bool:
+    """Whether a config.json asks for unscaled RoPE and states its base (transformers 5's or 4's spelling)."""
+    params = raw.get("rope_parameters")
+    if params:
+        return params.get("rope_type", "default") == "default" and "rope_theta" in params
+    return raw.get("rope_scaling") is None and "rope_theta" in raw
 
 
 def _check_names(config, names) -> bool:
