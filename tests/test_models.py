@@ -342,6 +342,27 @@ def test_a_config_that_states_the_forward_fields_reads_as_transformers_reads_it(
     assert torch.equal(rope_inv_freq(ours, ours.head_dim)[0], rope_inv_freq(theirs, theirs.head_dim)[0])
 
 
+def test_a_config_in_transformers_4s_spelling_reads_as_it_stands_and_quietly(tmp_path):
+    """Most Hub checkpoints spell plain RoPE ``rope_theta`` with ``rope_scaling: null``: the same config and RoPE
+    table, without the architecture's class and without transformers 5's warning about the old key."""
+    import json
+    import warnings
+
+    from minivllm.models import load_config, model_folder
+    from minivllm.models.llama import rope_inv_freq
+
+    raw = json.loads((model_folder("tiny-random") / "config.json").read_text())
+    v4 = {**{k: v for k, v in raw.items() if k != "rope_parameters"},
+          "rope_theta": raw["rope_parameters"]["rope_theta"], "rope_scaling": None}
+    (tmp_path / "config.json").write_text(json.dumps(v4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config = load_config(str(tmp_path))
+    assert type(config).__name__ != "LlamaConfig", "the architecture's config class was loaded"
+    assert torch.equal(rope_inv_freq(config, raw["head_dim"])[0],
+                       rope_inv_freq(load_config("tiny-random"), raw["head_dim"])[0])
+
+
 def test_a_config_that_leaves_a_field_out_or_scales_rope_goes_through_transformers(tmp_path):
     """Where config.json omits a field the forward reads, the architecture's default fills it (KV heads = query
     heads for Llama); scaled RoPE in transformers 4's spelling (``rope_scaling``) is applied, not dropped."""

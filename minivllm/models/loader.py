@@ -201,16 +201,18 @@ def load_config(name: str = SMOLLM2):
     if raw.get("model_type") not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type must be one of {SUPPORTED_MODEL_TYPES}, got {raw.get('model_type')!r}")
     if all(field in raw for field in FORWARD_FIELDS) and _plain_rope(raw):
-        return PretrainedConfig(**raw)
+        return PretrainedConfig(**{k: v for k, v in raw.items() if k != "rope_scaling"})  # null: transformers 5 warns
     return AutoConfig.from_pretrained(folder)
 
 
 def _plain_rope(raw: dict) -> bool:
     """Whether a config.json asks for unscaled RoPE and states its base (transformers 5's or 4's spelling)."""
+    if raw.get("rope_scaling") is not None:
+        return False
     params = raw.get("rope_parameters")
     if params:
         return params.get("rope_type", "default") == "default" and "rope_theta" in params
-    return raw.get("rope_scaling") is None and "rope_theta" in raw
+    return "rope_theta" in raw
 
 
 def _check_names(config, names) -> bool:
