@@ -1,14 +1,19 @@
 """minivllm's own Llama forward against HF transformers on the same weights."""
 
+import json
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
 
 from minivllm import load_model
 from minivllm.attention import ContiguousKVCache
+from minivllm.models import load_config, load_tokenizer, model_folder
+from minivllm.models.llama import rope_inv_freq
+from minivllm.models.loader import FORWARD_FIELDS
 
 PROMPTS = [
     "Hello",
@@ -299,8 +304,6 @@ def test_positions_offset_matches_cached_forward(tiny):
 
 
 def test_unknown_architecture_is_refused(tmp_path):
-    import json
-
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type"):
         load_model(str(tmp_path))
@@ -325,15 +328,29 @@ def test_starting_an_engine_imports_no_compiler_and_no_architecture_config():
     assert out.stdout.split() == ["False", "4", "True", "cpu", "False"], out.stdout
 
 
+def _tiny_config() -> dict:
+    """tiny-random's config.json (transformers 5's spelling: ``rope_parameters``)."""
+    return json.loads((model_folder("tiny-random") / "config.json").read_text())
+
+
+def _in_v4_spelling(raw: dict, rope_scaling) -> dict:
+    """``raw`` with RoPE spelled as transformers 4 writes it: ``rope_theta`` beside ``rope_scaling``."""
+    return {**{k: v for k, v in raw.items() if k != "rope_parameters"},
+            "rope_theta": raw["rope_parameters"]["rope_theta"], "rope_scaling": rope_scaling}
+
+
+def _config_folder(folder, config: dict) -> str:
+    """A model folder holding only ``config``, as load_config reads it."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 @pytest.mark.parametrize("name", ["smollm2-135m", "tiny-random", "tiny-random-8h"])
 def test_a_config_that_states_the_forward_fields_reads_as_transformers_reads_it(name):
     """load_config takes such a config.json as it stands, without the architecture's class; every field the forward
     reads, and the RoPE table, are what AutoConfig gives."""
     from transformers import AutoConfig
-
-    from minivllm.models import load_config, model_folder
-    from minivllm.models.llama import rope_inv_freq
-    from minivllm.models.loader import FORWARD_FIELDS
 
     ours, theirs = load_config(name), AutoConfig.from_pretrained(model_folder(name))
     assert type(ours).__name__ != "LlamaConfig", "the architecture's config class was loaded"
@@ -345,19 +362,11 @@ def test_a_config_that_states_the_forward_fields_reads_as_transformers_reads_it(
 def test_a_config_in_transformers_4s_spelling_reads_as_it_stands_and_quietly(tmp_path):
     """Most Hub checkpoints spell plain RoPE ``rope_theta`` with ``rope_scaling: null``: the same config and RoPE
     table, without the architecture's class and without transformers 5's warning about the old key."""
-    import json
-    import warnings
-
-    from minivllm.models import load_config, model_folder
-    from minivllm.models.llama import rope_inv_freq
-
-    raw = json.loads((model_folder("tiny-random") / "config.json").read_text())
-    v4 = {**{k: v for k, v in raw.items() if k != "rope_parameters"},
-          "rope_theta": raw["rope_parameters"]["rope_theta"], "rope_scaling": None}
-    (tmp_path / "config.json").write_text(json.dumps(v4))
+    raw = _tiny_config()
+    folder = _config_folder(tmp_path / "v4", _in_v4_spelling(raw, None))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        config = load_config(str(tmp_path))
+        config = load_config(folder)
     assert type(config).__name__ != "LlamaConfig", "the architecture's config class was loaded"
     assert torch.equal(rope_inv_freq(config, raw["head_dim"])[0],
                        rope_inv_freq(load_config("tiny-random"), raw["head_dim"])[0])
@@ -366,25 +375,13 @@ def test_a_config_in_transformers_4s_spelling_reads_as_it_stands_and_quietly(tmp
 def test_a_config_that_leaves_a_field_out_or_scales_rope_goes_through_transformers(tmp_path):
     """Where config.json omits a field the forward reads, the architecture's default fills it (KV heads = query
     heads for Llama); scaled RoPE in transformers 4's spelling (``rope_scaling``) is applied, not dropped."""
-    import json
-
-    from minivllm.models import load_config, model_folder
-    from minivllm.models.llama import rope_inv_freq
-
-    raw = json.loads((model_folder("tiny-random") / "config.json").read_text())
+    raw = _tiny_config()
     plain = rope_inv_freq(load_config("tiny-random"), raw["head_dim"])[0]
-    no_kv = tmp_path / "no_kv_heads"
-    no_kv.mkdir()
-    (no_kv / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k != "num_key_value_heads"}))
-    config = load_config(str(no_kv))
+    no_kv = {k: v for k, v in raw.items() if k != "num_key_value_heads"}
+    config = load_config(_config_folder(tmp_path / "no_kv_heads", no_kv))
     assert (type(config).__name__, config.num_key_value_heads) == ("LlamaConfig", raw["num_attention_heads"])
-    scaled = tmp_path / "linear_rope"
-    scaled.mkdir()
-    theta = raw["rope_parameters"]["rope_theta"]
-    v4 = {**{k: v for k, v in raw.items() if k != "rope_parameters"}, "rope_theta": theta,
-          "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
-    (scaled / "config.json").write_text(json.dumps(v4))
-    config = load_config(str(scaled))
+    linear = _in_v4_spelling(raw, {"rope_type": "linear", "factor": 2.0})
+    config = load_config(_config_folder(tmp_path / "linear_rope", linear))
     assert type(config).__name__ == "LlamaConfig"  # transformers 4's generic class would not read rope_scaling
     assert torch.allclose(rope_inv_freq(config, raw["head_dim"])[0], plain / 2)
 
@@ -394,8 +391,6 @@ def test_the_embedded_models_tokenizer_is_the_one_autotokenizer_loads(name):
     """load_tokenizer loads the folders the loader writes without AutoTokenizer (which loads the model config
     class first): the same ids, text, chat template and special tokens."""
     from transformers import AutoTokenizer
-
-    from minivllm.models import load_tokenizer, model_folder
 
     ours, theirs = load_tokenizer(name), AutoTokenizer.from_pretrained(model_folder(name))
     assert type(ours) is type(theirs)

@@ -193,8 +193,8 @@ def load_config(name: str = SMOLLM2):
 
     A ``config.json`` that states every one of :data:`FORWARD_FIELDS` and plain RoPE is taken as it stands
     (transformers' generic config class). Any other goes through ``AutoConfig``, whose architecture class fills
-    in that architecture's defaults and scaled RoPE, and whose import pulls in ``torch.distributed.tensor``:
-    about 1.3 s of every engine's start on a 2-core CPU.
+    in that architecture's defaults and scaled RoPE, and whose import (in transformers 5) pulls in
+    ``torch.distributed.tensor``: about 1.3 s of every engine's start on a 2-core CPU.
     """
     folder = model_folder(name)
     raw = json.loads((folder / "config.json").read_text())
