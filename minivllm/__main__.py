@@ -12,8 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -112,20 +114,22 @@ def _bench_server(args, workload, tokenizer, model: str) -> int:
     return 0 if not failed else 1
 
 
-def _baselines(args, workload, device, compare: list[str], model) -> list:
-    """Each requested baseline run on the same workload (the HF model loaded once, only when one needs it)."""
-    results, hf = [], None
+def _baselines(args, workload, device, compare: list[str], model, loaded: dict) -> list:
+    """Each requested baseline run on the same workload (the HF model loaded once into ``loaded``, only when one
+    needs it)."""
+    results = []
     for name in compare:
         if name in COMPARE_PEERS:
             continue  # the real engines run apart (_peers)
         print(f"running {name} ...", file=sys.stderr, flush=True)
-        if name.startswith("hf") and hf is None:
+        if name.startswith("hf") and "hf" not in loaded:
             from transformers import AutoModelForCausalLM  # optional and heavy: only the HF baselines need it
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()
             hf = AutoModelForCausalLM.from_pretrained(model_folder(args.model), dtype=getattr(torch, args.dtype))
-            hf = hf.to(device).eval()
+            loaded["hf"] = hf.to(device).eval()
+        hf = loaded.get("hf")
         results.append({"hf-batch": lambda: run_hf_generate_batch(hf, workload),
                         "hf-static": lambda: run_hf_generate(hf, workload, args.hf_batch_size),
                         "hf-single": lambda: run_hf_generate(hf, workload, 1),
@@ -211,7 +215,7 @@ def _decode_breakdown(args, device) -> dict:
     return breakdown
 
 
-def _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown) -> None:
+def _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown, ratios) -> None:
     ours = results[0]
     report = {"workload": {"name": workload.name, "description": workload.description, "seed": args.seed,
                            "num_requests": len(workload.arrivals)},
@@ -222,7 +226,8 @@ def _write_json(args, workload, device, opts, results, slo, limits, bound, break
                           for r in results],
               "kv_utilization": [s.kv_utilization for s in ours.steps],
               "machine": None if not limits else {"flops": limits.flops, "bandwidth": limits.bandwidth},
-              "roofline": bound, "step_breakdown": breakdown}
+              "roofline": bound, "step_breakdown": breakdown, "repeats": args.repeats,
+              "ratio_minivllm_by_round": ratios}
     with open(args.json, "w") as f:
         json.dump(report, f, indent=2)
     print(f"wrote {args.json}")
@@ -242,6 +247,8 @@ def _bench(args, parser) -> int:
     tokenizer = load_tokenizer(args.model)
     workload = make_workload(args.workload, tokenizer, seed=args.seed, **sizes)
     if args.server:
+        if args.repeats > 1:
+            parser.error(f"argument --repeats: must be 1 with --server (one run through the server), got {args.repeats}")
         return _bench_server(args, workload, tokenizer, model)
     if args.kv_offload_blocks and not args.prefix_caching:
         parser.error("argument --kv-offload-blocks: needs --prefix-caching (the tier extends the prefix cache)")
@@ -268,23 +275,72 @@ def _bench(args, parser) -> int:
         print(f"matmuls of up to {rows} row{'s' * (rows != 1)}: the compiled matvec (measured at load), {how}; "
               f"compiled in {model.matvec_compile_seconds:.1f} s", flush=True)
     opts = _engine_options(args, device)
-    results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
-    results += _baselines(args, workload, device, compare, model)
     peers = [c for c in compare if c in COMPARE_PEERS]
     installed = any(peer_installed(COMPARE_PEERS[key][0]) for key in peers)
-    our_tpot = _batch1_tpot(args.model, opts, workload) if installed else None  # right after our run, as the peers do
-    peer_runs = _peers(workload, peers, args.model)
-    results += [run.result for run in peer_runs.values()]
+    rounds, loaded = [], {}
+    for _ in range(args.repeats):  # round robin: a drift in the machine's speed falls on every system alike
+        results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
+        results += _baselines(args, workload, device, compare, model, loaded)
+        our_tpot = _batch1_tpot(args.model, opts, workload) if installed else None  # after our run, as the peers do
+        peer_runs = _peers(workload, peers, args.model)
+        rounds.append(Round(results + [run.result for run in peer_runs.values()], our_tpot, peer_runs))
+    results, our_tpot, peer_runs = median_runs(rounds)
     slo = _slo(args)
     limits = measure_machine(model) if args.roofline else None
     bound = roofline(model, workload, limits) if limits else None
     _print_report(args, workload, results, slo, limits, bound)
     if peer_runs:
         print("\n" + peer_table(results[0], our_tpot, peer_runs))
+    ratios = round_ratios(rounds)
+    if args.repeats > 1:
+        print(f"\nround by round ({args.repeats} rounds, each minivllm then every other system; the tables above "
+              f"show each system's median run): minivllm's tok/s over the other's in the same round")
+        for name, values in ratios.items():
+            print(f"minivllm / {name}: " + ", ".join(f"{x:.2f}x" for x in values)
+                  + f"; median {statistics.median(values):.2f}x")
     breakdown = _decode_breakdown(args, device) if args.breakdown else None
     if args.json:
-        _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown)
+        _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown, ratios)
     return 0
+
+
+@dataclass
+class Round:
+    """One round of ``bench --repeats``: minivllm's run first, then every other system's, and the batch-1 TPOTs."""
+
+    results: list  # BenchResult, minivllm's first
+    our_tpot: float | None
+    peer_runs: dict  # key -> PeerRun
+
+
+def median_runs(rounds: list[Round]) -> tuple[list, float | None, dict]:
+    """Each system's run with the median output throughput over ``rounds`` (the lower middle of an even count),
+    minivllm's first; minivllm's median batch-1 TPOT; each peer's median run, with its median batch-1 TPOT. A
+    system missing from a round (a peer that failed there) is taken from the rounds it ran in."""
+    def middle(runs, throughput):
+        return sorted(runs, key=throughput)[(len(runs) - 1) // 2]
+
+    by_name, by_peer = {}, {}
+    for r in rounds:
+        for result in r.results:
+            by_name.setdefault(result.name, []).append(result)
+        for key, run in r.peer_runs.items():
+            by_peer.setdefault(key, []).append(run)
+    results = [middle(runs, lambda x: x.throughput) for runs in by_name.values()]
+    tpots = [r.our_tpot for r in rounds if r.our_tpot is not None]
+    peers = {key: replace(middle(runs, lambda x: x.result.throughput),
+                          batch1_tpot=statistics.median(run.batch1_tpot for run in runs)) for key, runs in by_peer.items()}
+    return results, (statistics.median(tpots) if tpots else None), peers
+
+
+def round_ratios(rounds: list[Round]) -> dict[str, list[float]]:
+    """minivllm's output throughput over each other system's, round by round (the rounds that system ran in)."""
+    ratios = {}
+    for r in rounds:
+        ours = r.results[0]
+        for other in r.results[1:]:
+            ratios.setdefault(other.name, []).append(ours.throughput / other.throughput)
+    return ratios
 
 
 def _speculative_argv(args) -> list[str]:
@@ -368,6 +424,9 @@ def main(argv=None) -> int:
     b.add_argument("--no-roofline", dest="roofline", action="store_false", help="skip measuring the machine")
     b.add_argument("--breakdown", type=nonneg_int, default=0, metavar="MAX_B",
                    help="also time the phases of a decode step at batch sizes 1, 2, 4, ... up to MAX_B")
+    b.add_argument("--repeats", type=positive_int, default=1,
+                   help="run minivllm and every baseline this many times in turn (A B A B ...); the tables show "
+                        "each system's median run, and the ratios are given round by round with their median")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     s = sub.add_parser("serve", help="run the OpenAI-compatible server",
                        description="Serve the model over OpenAI's API (/v1/completions, /v1/chat/completions, "

