@@ -317,8 +317,8 @@ def median_runs(rounds: list[Round]) -> tuple[list, float | None, dict]:
     """Each system's run with the median output throughput over ``rounds`` (the lower middle of an even count),
     minivllm's first; minivllm's median batch-1 TPOT; each peer's median run, with its median batch-1 TPOT. A
     system missing from a round (a peer that failed there) is taken from the rounds it ran in."""
-    def middle(runs, throughput):
-        return sorted(runs, key=throughput)[(len(runs) - 1) // 2]
+    def middle(runs, throughput_of):
+        return sorted(runs, key=throughput_of)[(len(runs) - 1) // 2]
 
     by_name, by_peer = {}, {}
     for r in rounds:

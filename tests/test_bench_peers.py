@@ -8,6 +8,7 @@ test needs a peer installed or the network.
 """
 
 import ctypes
+import dataclasses
 import os
 import importlib.util
 import json
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+import minivllm.__main__ as cli
 from minivllm.__main__ import comparison_list, main
 from minivllm.bench import make_workload, peers
 from minivllm.bench.peers import (DRIVERS, PeerMissing, agreement_line, export_f32_gguf, export_hf_folder,
@@ -237,9 +239,6 @@ def test_setup_commands_make_a_venv_install_and_check_each_peer(empty_peers):
 def test_bench_repeats_take_minivllm_and_each_peer_in_turn_and_give_the_ratios_round_by_round(monkeypatch, capsys):
     """``bench --repeats 3``: minivllm, the peer, minivllm, the peer, ...; the peer table shows each system's median
     run, and the ratio of each round (minivllm's tok/s over the peer's in that round) is printed with its median."""
-    import dataclasses
-    import minivllm.__main__ as cli
-
     real_run_engine, calls, ours, theirs = cli.run_engine, [], [], []
     peer_seconds = iter([8.0, 2.0, 1.0])  # the peer's median run is the 2 s one, of the second round
 
@@ -274,8 +273,6 @@ def test_bench_repeats_take_minivllm_and_each_peer_in_turn_and_give_the_ratios_r
 
 
 def test_bench_repeats_with_a_server_is_refused_before_any_request(monkeypatch, capsys):
-    import minivllm.__main__ as cli
-
     monkeypatch.setattr(cli, "served_model", lambda url: "smollm2-135m")
     monkeypatch.setattr(cli, "_bench_server", lambda *a: pytest.fail("a request went to the server"))
     with pytest.raises(SystemExit):
