@@ -30,6 +30,7 @@ from minivllm.bench.online import BACKENDS, run_online, served_model
 from minivllm.bench.peers import (ALIASES, COMPARE_PEERS, PeerMissing, batch1_tpot, peer_installed, peer_table,
                                   run_peer)
 from minivllm.config import cdiv, default_device
+from minivllm.cpu_malloc import keep_freed_memory, malloc_in_force
 from minivllm.models import load_model, load_tokenizer, model_folder
 from minivllm.serving.cli import add_serve_arguments, check_model, serve_main
 from minivllm.serving.protocol import param_of
@@ -265,6 +266,9 @@ def _bench(args, parser) -> int:
     print(f"workload {workload.name}: {workload.description}; greedy, ignore_eos, seed {args.seed}")
     print(f"model {args.model} {args.dtype} on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
                                                        if device.type == "cpu" else ""), flush=True)
+    if device.type == "cpu":  # chapter 12: every engine of this process allocates so, the in-process baselines too
+        keep_freed_memory()
+        print(f"allocator: {malloc_in_force()}", flush=True)
     if model.lm_head.packed is not None:  # chapter 12: the layout rule this machine measured when the model loaded
         print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above "
               f"(measured at load)", flush=True)

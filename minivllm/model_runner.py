@@ -27,6 +27,7 @@ import torch
 
 from minivllm.attention import PagedBatch, PagedKVCache
 from minivllm.block_manager import slots
+from minivllm.cpu_malloc import keep_freed_memory
 from minivllm.cuda_graphs import DecodeGraphRunner
 from minivllm.sampler import Sampler, SamplerOutput, verify_drafts
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
@@ -61,6 +62,8 @@ class ModelRunner:
         self.accept = accept or accept_greedy  # a greedy row's acceptance rule (chapter 17's SpecAcceptor.accept)
         self.graph_runner_cls = graph_runner_cls  # an extension point (exercise 12): what enable_decode_graphs builds
         self.device = model.lm_head.weight.device
+        if self.device.type == "cpu":  # a step's freed buffers stay in the heap for the next step (chapter 12)
+            keep_freed_memory()
         self.block_size = block_size
         extra = {"num_offload_blocks": num_offload_blocks} if num_offload_blocks else {}  # chapter 14's CPU tier
         if compile_attention:  # asked for only when wanted, so a backend without the option still plugs in
