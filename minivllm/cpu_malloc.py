@@ -29,8 +29,11 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+import subprocess
+import sys
 
-__all__ = ["TRIM_THRESHOLD", "MMAP_THRESHOLD", "keep_freed_memory", "malloc_in_force", "users_choice"]
+__all__ = ["TRIM_THRESHOLD", "MMAP_THRESHOLD", "keep_freed_memory", "malloc_in_force", "users_choice",
+           "repeated_step_faults"]
 
 TRIM_THRESHOLD = 1 << 30  # bytes of free heap top glibc keeps instead of handing back to the kernel
 MMAP_THRESHOLD = 32 << 20  # the largest buffer served from the heap: glibc's ceiling for this setting on 64-bit
@@ -76,3 +79,32 @@ def malloc_in_force() -> str:
         return (f"glibc malloc keeps freed memory (trim threshold {TRIM_THRESHOLD >> 20} MiB, "
                 f"mmap threshold {MMAP_THRESHOLD >> 20} MiB: minivllm's default)")
     return f"the allocator as it was: {_outcome or 'no engine on the CPU in this process yet'}"
+
+
+_STEPS = """
+import resource, sys, torch
+if sys.argv[1] == "engine":
+    import minivllm
+    minivllm.LLM("tiny-random", device="cpu")
+from minivllm.cpu_malloc import malloc_in_force
+def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def step():  # a 2,048-token prefill's pattern: three 24 MB buffers, all freed by the step's end
+    buffers = [torch.ones(6_000_000) for _ in range(3)]
+    del buffers
+step(); step()
+before = faults()
+for _ in range(10): step()
+print((faults() - before) / 10, malloc_in_force(), sep="|")
+"""
+
+
+def repeated_step_faults(engine: bool, env: dict | None = None) -> tuple[float, str]:
+    """Page faults a step of three 24 MB buffers takes once repeated, and :func:`malloc_in_force`'s words, in a fresh
+    interpreter: after building an engine on the CPU (``engine``) or as glibc sets itself. ``env`` (default: this
+    process's environment) is the interpreter's whole environment."""
+    out = subprocess.run([sys.executable, "-c", _STEPS, "engine" if engine else "plain"], capture_output=True,
+                         text=True, timeout=300, env=os.environ if env is None else env)
+    if out.returncode != 0:
+        raise RuntimeError(f"the fresh interpreter failed: {out.stderr[-2000:]}")
+    faults, words = out.stdout.strip().splitlines()[-1].split("|")
+    return float(faults), words

@@ -4,51 +4,33 @@ process's, and this one's are set by the engines the other tests build."""
 
 import os
 import platform
-import subprocess
-import sys
 
 import pytest
 
-from minivllm.cpu_malloc import users_choice
+from minivllm.cpu_malloc import repeated_step_faults, users_choice
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the settings are glibc's")
 
-STEPS = ("import resource, torch\n"
-         "{first}\n"
-         "from minivllm.cpu_malloc import malloc_in_force\n"
-         "def faults(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-         "def step():  # a 2,048-token prefill's pattern: a few 24 MB buffers, all freed by the step's end\n"
-         "    buffers = [torch.ones(6_000_000) for _ in range(3)]\n"
-         "    del buffers\n"
-         "step(); step()\n"
-         "before = faults()\n"
-         "for _ in range(10): step()\n"
-         "print((faults() - before) / 10, malloc_in_force(), sep='|')")
-ENGINE = "import minivllm\nminivllm.LLM('tiny-random', device='cpu')"
 _ALLOCATOR_KEYS = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_",
                    "GLIBC_TUNABLES", "LD_PRELOAD")
 
 
-def _faults_per_step(first: str, **env) -> tuple[float, str]:
+def _faults_per_step(engine: bool, **env) -> tuple[float, str]:
     base = {k: v for k, v in os.environ.items() if k not in _ALLOCATOR_KEYS}
-    out = subprocess.run([sys.executable, "-c", STEPS.format(first=first)], env={**base, **env},
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    faults, words = out.stdout.strip().splitlines()[-1].split("|")
-    return float(faults), words
+    return repeated_step_faults(engine, {**base, **env})
 
 
 def test_after_an_engine_on_the_cpu_a_repeated_steps_buffers_take_no_new_pages():
-    plain, words = _faults_per_step("")
+    plain, words = _faults_per_step(False)
     assert plain > 500, f"glibc's own settings hand the buffers back ({plain:.0f} faults a step): the case shows it"
     assert "no engine on the CPU" in words
-    kept, words = _faults_per_step(ENGINE)
+    kept, words = _faults_per_step(True)
     assert kept < 50, f"{kept:.0f} page faults a step: the step's freed buffers went back to the kernel"
     assert "keeps freed memory" in words and "minivllm's default" in words
 
 
 def test_the_users_allocator_settings_are_left_as_they_are():
-    faults, words = _faults_per_step(ENGINE, MALLOC_TOP_PAD_="131072")  # glibc's own top pad, said by the user
+    faults, words = _faults_per_step(True, MALLOC_TOP_PAD_="131072")  # glibc's own top pad, said by the user
     assert faults > 500, "minivllm changed the allocator the user had tuned"
     assert "MALLOC_TOP_PAD_ is set (the user's choice)" in words
 
