@@ -304,9 +304,9 @@ def worker_main(rank: int, world: int, port: int, config: EngineConfig, threads:
             conn.send(("error", traceback.format_exc()))
         except OSError:  # rank 0 is gone
             pass
-        sys.exit(1)
-    finally:
         conn.close()
+        os._exit(1)  # not sys.exit: torch.distributed's teardown, its peers gone, can abort and hide the exit code
+    conn.close()
 
 
 def name_process(name: str) -> None:
