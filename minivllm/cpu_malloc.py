@@ -33,12 +33,13 @@ import subprocess
 import sys
 
 __all__ = ["TRIM_THRESHOLD", "MMAP_THRESHOLD", "keep_freed_memory", "malloc_in_force", "users_choice",
-           "repeated_step_faults"]
+           "repeated_step_faults", "USER_VARIABLES"]
 
 TRIM_THRESHOLD = 1 << 30  # bytes of free heap top glibc keeps instead of handing back to the kernel
 MMAP_THRESHOLD = 32 << 20  # the largest buffer served from the heap: glibc's ceiling for this setting on 64-bit
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
 _MALLOC_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
+USER_VARIABLES = _MALLOC_VARIABLES + ("GLIBC_TUNABLES", "LD_PRELOAD")  # where users_choice looks
 _outcome: str | None = None  # None before the first call; then "" where set, or why not
 
 
