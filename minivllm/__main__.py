@@ -23,9 +23,9 @@ from minivllm import LLM, SamplingParams
 from minivllm.bench import (WORKLOADS, speculative_main, check_workload_sizes, format_results, make_workload, measure_machine,
                             roofline, run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
                             run_static, same_outputs, step_breakdown)
-from minivllm.bench.cli import (add_min_max, block_size_int, check_token_budget, device_name, nonneg_finite_float,
-                                nonneg_int, positive_finite_float, positive_int, probability, server_url, top_k_int,
-                                writable_file)
+from minivllm.bench.cli import (add_compile_flags, add_min_max, block_size_int, check_token_budget, device_name,
+                                nonneg_finite_float, nonneg_int, positive_finite_float, positive_int, probability,
+                                server_url, top_k_int, writable_file)
 from minivllm.bench.online import BACKENDS, run_online, served_model
 from minivllm.bench.peers import (ALIASES, COMPARE_PEERS, PeerMissing, batch1_tpot, peer_installed, peer_table,
                                   run_peer)
@@ -415,12 +415,7 @@ def main(argv=None) -> int:
                    help="a CPU tier of this many blocks for the prefix cache (chapter 14; needs --prefix-caching)")
     b.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="run minivllm over this many worker processes (chapter 15; default: 1)")
-    b.add_argument("--compile-attention", action="store_true",
-                   help="decode attention read in place, compiled by torch.compile (chapter 12; the CPU); "
-                        "every batch bucket compiles before timing")
-    b.add_argument("--compile-matvec", action="store_true",
-                   help="decode batches of one or two rows run compiled matrix-vector kernels and layers where that "
-                        "measures faster (chapter 12; the CPU, float32); it compiles at startup")
+    add_compile_flags(b)
     b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",
                    help="goodput: TTFT limit in ms")
     b.add_argument("--slo-tpot", type=positive_finite_float, default=None, metavar="MS",

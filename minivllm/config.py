@@ -117,7 +117,9 @@ class EngineConfig:
     ``compile_attention`` (the CPU) has decode rows read the KV pool in place
     through their block tables, with attention compiled by ``torch.compile``
     instead of gathered into a copy (chapter 12). Each batch bucket compiles
-    once (seconds; ``stats()`` counts them); where compiling fails, or its
+    once (seconds; ``stats()`` counts them), when first used, or all at once
+    by ``compile_decode_buckets()``, as a server does before its port opens
+    and a disaggregated decode worker before it reports ready; where compiling fails, or its
     probe disagrees, the gather path stays, and ``stats().attention_kernel``
     says which runs. The tokens are the same either way.
 

@@ -134,6 +134,13 @@ class LLMEngine:
             return {}
         return {"num_offload_blocks": config.kv_offload_blocks, "tier_cls": resolve(config.offload_tier_cls)}
 
+    def compile_decode_buckets(self) -> float:
+        """With ``compile_attention`` (chapter 12): compile the in-place decode for every batch bucket up to
+        ``max_num_seqs`` now, so that no request waits later while a bucket compiles; the seconds it took (0.0
+        without it). Servers and benchmarks call it before they take work."""
+        compile_buckets = getattr(self.runner.kv_cache, "warm_up", None)
+        return compile_buckets(self.config.max_num_seqs) if compile_buckets is not None else 0.0
+
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (chapter 15); idempotent, a no-op with one process.
 

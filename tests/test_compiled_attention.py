@@ -144,6 +144,21 @@ def test_warm_up_compiles_every_bucket_before_anything_is_timed():
     assert PagedKVCache(1, 8, BS, KV_HEADS, DIM, attention_kernel=GATHER).warm_up(5) == 0.0  # nothing to compile
 
 
+def test_a_servers_engine_compiles_every_bucket_before_it_takes_requests():
+    from minivllm.engine import LLMEngine
+    from minivllm.serving.cli import warm_up
+
+    engine = warm_up(LLMEngine(model="tiny-random", device="cpu", compile_attention=True, max_num_seqs=4))
+    before = engine.stats()
+    assert before.attention_kernel == COMPILED and before.attention_compiled_buckets == (1, 2, 4)
+    for i in range(3):  # three rows decode together: bucket 4, compiled at warm-up
+        engine.add_request(str(i), list(range(100 + i, 110 + 2 * i)), greedy(6, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().attention_compile_seconds == before.attention_compile_seconds  # no request waited
+    assert LLMEngine(model="tiny-random", device="cpu", max_num_seqs=4).compile_decode_buckets() == 0.0
+
+
 def test_bench_reports_the_compiled_kernel_and_its_compile_time(capfd):
     from minivllm.__main__ import main
 

@@ -112,6 +112,29 @@ def test_the_sweep_with_the_peers_missing_skips_them_and_measures_minivllm(empty
     assert list(json.loads(report.read_text())["results"]) == ["minivllm serve"]
 
 
+def test_the_sweep_gives_minivllm_its_compiled_paths_when_asked_in_the_server_and_the_offline_engine(
+        empty_peers, capsys, tmp_path, monkeypatch):
+    from minivllm.bench import serving_sweep
+
+    asked = []
+    real = serving_sweep.offline_engine
+    monkeypatch.setattr(serving_sweep, "offline_engine", lambda *a, **kw: asked.append(kw) or real(*a, **kw))
+    report = tmp_path / "sweep.json"
+    small = ["--model", "tiny-random", "--skip-transformers", "--rates", "8", "--num-requests", "2", "--output-len",
+             "2", "2", "--prompt-len", "4", "4", "--repeats", "1", "--max-num-seqs", "4"]
+    assert serving_sweep_main([*small, "--compile-attention", "--compile-matvec", "--json", str(report)]) == 0
+    sweep = json.loads(report.read_text())
+    argv = sweep["servers"]["minivllm serve"]["argv"]
+    assert "--compile-attention" in argv and "--compile-matvec" in argv
+    assert asked[-1]["compile_attention"] is True and asked[-1]["compile_matvec"] is True
+    assert sweep["results"]["minivllm serve"]["8.0"]["failed"] == 0
+    assert not parse_args(small).compile_attention and not parse_args(small).compile_matvec  # off by default
+    assert serving_sweep_main([*small, "--json", str(report)]) == 0
+    assert not {"--compile-attention", "--compile-matvec"} & set(json.loads(report.read_text())["servers"][
+        "minivllm serve"]["argv"])
+    assert "compile_attention" not in asked[-1] and "compile_matvec" not in asked[-1]
+
+
 def test_the_llamacpp_backend_biases_every_special_token_away_and_turns_off_the_repeat_penalty(monkeypatch):
     tok = load_tokenizer("smollm2-135m")
     extra = request_extra("llamacpp", tok)

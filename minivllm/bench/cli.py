@@ -15,7 +15,7 @@ from minivllm.config import available_devices
 
 __all__ = ["positive_int", "nonneg_int", "block_size_int", "top_k_int", "positive_finite_float", "nonneg_finite_float",
            "probability", "watermark_fraction", "device_name", "server_url", "writable_file", "MinMax", "add_min_max",
-           "check_token_budget", "bench_parser", "offline_env", "SUBCOMMANDS"]
+           "add_compile_flags", "check_token_budget", "bench_parser", "offline_env", "SUBCOMMANDS"]
 
 
 # -- Checked types: each parses one flag's text or raises ArgumentTypeError saying the allowed range ---------
@@ -95,6 +95,17 @@ def add_min_max(parser, flag: str, default, help: str | None = None) -> None:
     """A ``MIN MAX`` pair of token counts, each >= 1, MIN <= MAX."""
     parser.add_argument(flag, type=positive_int, nargs=2, metavar=("MIN", "MAX"), action=MinMax, default=default,
                         help=help)
+
+
+def add_compile_flags(parser, whose: str = "", compiles: str = "every batch bucket compiles before timing") -> None:
+    """``--compile-attention`` and ``--compile-matvec``: minivllm's compiled paths on the CPU (chapter 12), off
+    unless asked for; ``whose`` names what they apply to, ``compiles`` when the attention's buckets compile."""
+    parser.add_argument("--compile-attention", action="store_true",
+                        help=f"{whose}decode attention read in place, compiled by torch.compile (chapter 12; the "
+                             f"CPU); {compiles}")
+    parser.add_argument("--compile-matvec", action="store_true",
+                        help=f"{whose}decode batches of one or two rows run compiled matrix-vector kernels and layers "
+                             "where that measures faster (chapter 12; the CPU, float32); it compiles at startup")
 
 
 def check_token_budget(parser, budget: int, max_num_seqs: int, seqs_from: str, longest_prompt: int | None = None,

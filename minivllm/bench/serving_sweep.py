@@ -13,6 +13,10 @@ figures that are compared were measured minutes apart; each setting is
 repeated and reported as medians, with the machine's load average at the
 time. ``--plot`` draws throughput and p99 TTFT against rate.
 
+``--compile-attention`` and ``--compile-matvec`` give minivllm's server and
+offline engine its compiled paths (chapter 12), as a comparison with vLLM
+compiled should; off by default, as in the engine.
+
 ``--peers vllm,llamacpp`` (space or comma separated; default none) adds the
 real engines' own OpenAI servers to the same round robin, each from its
 virtual environment (:mod:`minivllm.bench.peers`; one not installed is skipped
@@ -41,7 +45,8 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from minivllm.bench.cli import add_min_max, bench_parser, offline_env, positive_finite_float, positive_int, writable_file
+from minivllm.bench.cli import (add_compile_flags, add_min_max, bench_parser, offline_env, positive_finite_float,
+                                positive_int, writable_file)
 from minivllm.bench.harness import run_engine
 from minivllm.bench.online import run_online, text_prompts
 from minivllm.bench.peers import PeerMissing, peer_server
@@ -58,6 +63,7 @@ PEER_SYSTEMS = {"vllm-compiled": ("vllm serve (compiled)", "vllm"), "vllm-eager"
                 "llamacpp": ("llama_cpp.server", "llamacpp")}
 PEER_ALIASES = {"vllm": "vllm-compiled"}  # compiled was faster offline; it starts in about a minute
 
+COMPILE_FLAGS = ("compile_attention", "compile_matvec")  # minivllm's own compiled paths, off unless asked for
 FIGURES = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_mean", "itl_p99", "e2e_p99", "goodput")
 
 
@@ -224,6 +230,8 @@ def _parser():
     add_min_max(p, "--output-len", default=(16, 64))
     p.add_argument("--max-num-seqs", type=positive_int, default=32, help="minivllm's server and offline engine")
     p.add_argument("--num-blocks", type=positive_int, default=1024, help="minivllm's KV pool, in blocks")
+    add_compile_flags(p, "minivllm's server and offline engine: ",
+                      "every batch bucket compiles before the port opens, and before timing offline")
     p.add_argument("--transformers-flags", default="--cb-max-batch-tokens 2048",
                    help="extra flags for transformers serve, one string ('' for its defaults)")
     p.add_argument("--skip-transformers", action="store_true")
@@ -287,7 +295,8 @@ def _offline_repeats(args, plan: dict, tok) -> list:
         result = offline_engine(plan[repeat, top], tok, args.model, block_size=args.block_size,
                                 max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
-                                **({"device": args.device} if args.device else {}))
+                                **({"device": args.device} if args.device else {}),
+                                **{flag: True for flag in COMPILE_FLAGS if getattr(args, flag)})
         runs.append((result.throughput, os.getloadavg()[0]))
         print(f"  repeat {repeat + 1} offline engine: {result.throughput:.1f} tok/s", flush=True)
     return runs
@@ -306,6 +315,7 @@ def serving_sweep_main(argv=None) -> int:
     engine = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs), "--num-blocks",
               str(args.num_blocks), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     engine += ["--device", args.device] if args.device else []
+    engine += [f"--{flag.replace('_', '-')}" for flag in COMPILE_FLAGS if getattr(args, flag)]
     slo = {"ttft": args.slo_ttft / 1e3, "tpot": args.slo_tpot / 1e3}
     print(f"workload: {first.description.split(', Poisson')[0]}, Poisson arrivals at {args.rates} /s; greedy, exact "
           f"output lengths; {args.model}; {args.repeats} repeat(s), round robin; load average "

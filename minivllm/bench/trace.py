@@ -99,9 +99,7 @@ def warm_up(llm, seed: int = 12345) -> None:
     40 prompt tokens, fewer when the KV pool is squeezed smaller than that (chapter 10's preemption runs).
     """
     engine = llm.engine
-    compile_buckets = getattr(engine.runner.kv_cache, "warm_up", None)  # compile_attention: every bucket, now
-    if compile_buckets is not None:
-        compile_buckets(engine.config.max_num_seqs)
+    engine.compile_decode_buckets()
     room = engine.stats().num_total_blocks * engine.config.block_size - 2
     (prompt,), _ = random_workload(llm.get_tokenizer(), 1, (max(1, min(40, room)),) * 2, (1, 1), seed)
     llm.generate([prompt], _exactly(2), use_tqdm=False)
