@@ -119,9 +119,10 @@ class EngineConfig:
     instead of gathered into a copy (chapter 12). Each batch bucket compiles
     once (seconds; ``stats()`` counts them), when first used, or all at once
     by ``compile_decode_buckets()``, as a server does before its port opens
-    and a disaggregated decode worker before it reports ready; where compiling fails, or its
-    probe disagrees, the gather path stays, and ``stats().attention_kernel``
-    says which runs. The tokens are the same either way.
+    and a disaggregated decode worker before it reports ready. Where
+    compiling fails, or its probe disagrees, the gather path stays, and
+    ``stats().attention_kernel`` says which runs. The tokens are the same
+    either way.
 
     ``compile_matvec`` (the CPU, float32) runs decode batches of one or two
     rows through matrix-vector kernels and whole decoder layers (their paged
