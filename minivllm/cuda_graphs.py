@@ -32,6 +32,8 @@ the padding, the slots and the tokens without a GPU.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from minivllm.attention import PagedBatch
@@ -129,10 +131,26 @@ class DecodeGraphRunner:
         """Record one graph per size, largest first, into one shared memory pool (CUDA only).
 
         The buffers hold padding (slot -1) while capturing, so the warm-up and
-        the recording write only the scratch slot.
+        the recording write only the scratch slot. A forward that cannot be
+        captured (an attention backend that reads a tensor on the host: a
+        boolean-mask index, ``.item()``, ``.tolist()``) leaves no graph: a
+        warning names the backend and the error, and decode steps run eagerly.
         """
         self.slot_mapping.fill_(-1)
         self.context_lens.fill_(1)
+        stream = torch.cuda.current_stream()
+        try:
+            self._record_graphs()
+        except RuntimeError as e:  # torch's CUDA errors (AcceleratorError among them) are RuntimeErrors
+            torch.cuda.set_stream(stream)  # a failed capture leaves its capture stream current
+            self.graphs.clear()
+            self.outputs.clear()
+            warnings.warn(f"CUDA graph capture failed with the attention backend {type(self.kv_cache).__name__} "
+                          f"({str(e).splitlines()[0]}); decode steps run eagerly. A captured forward must not read a "
+                          "tensor on the host: no boolean-mask indexing, .item() or .tolist()", RuntimeWarning,
+                          stacklevel=2)
+
+    def _record_graphs(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         for b in reversed(self.sizes):

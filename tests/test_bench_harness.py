@@ -248,3 +248,14 @@ def test_the_sweep_draws_fresh_prompts_of_the_same_lengths_for_every_rate_and_re
     plan = _plan(Namespace(seed=0, repeats=2), workloads, tok)
     prompts = [tuple(map(tuple, w.prompts)) for w in plan.values()]
     assert len(plan) == 4 and len(set(prompts)) == 4
+
+
+def test_hf_continuous_batching_gets_its_page_size_under_the_name_its_transformers_takes():
+    """transformers 5.17's ContinuousBatchingConfig names the page ``block_size``, later ones ``page_size``: a GPU
+    run of check_gpu's benchmark on 5.17 stopped with a TypeError before the page size took this name."""
+    from minivllm.bench.baselines import continuous_batching_options
+
+    new = continuous_batching_options({}, {"page_size": None, "block_size": None, "num_blocks": None})
+    old = continuous_batching_options({"page_size": 32}, {"block_size": None, "num_blocks": None})
+    assert new == {"page_size": 64, "max_batch_tokens": 512, "allow_block_sharing": False}
+    assert old == {"block_size": 32, "max_batch_tokens": 512, "allow_block_sharing": False}

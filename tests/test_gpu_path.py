@@ -278,3 +278,48 @@ def test_check_gpu_counts_notebook_cells_that_pass_and_fail(tmp_path):
     result = check_gpu.run_notebooks(timeout_s=300, book=tmp_path)
     assert (result["passed"], result["failed"], result["ok"]) == (3, 1, False), result
     assert result["failed_notebooks"] == [str(tmp_path / "bad.ipynb")] or result["failed_notebooks"][0].endswith("bad.ipynb")
+
+
+def test_check_gpus_padding_part_passes_the_real_runner_and_catches_a_stale_padding_slot(monkeypatch):
+    """The ``padding`` part, run as the eager replay: the real runner writes only its rows' slots; a runner whose
+    padding row keeps the slot of the step before (the bug the part is there to catch) fails it."""
+    from minivllm import check_gpu
+
+    good = check_gpu.check_padding("tiny-random", device="cpu")
+    assert good["ok"] and set(good["slots_written"]) - {good["scratch_slot"]} == {41, 45, 49}, good
+    stale = {}
+    load = DecodeGraphRunner.load
+
+    def keeps_old_slots(self, inputs):  # padding rows keep the previous step's slots instead of -1
+        b, n = load(self, inputs), len(inputs.query_lens)
+        if "slots" in stale:
+            self.slot_mapping[n:b] = torch.tensor(stale["slots"][n:b])
+        stale["slots"] = self.slot_mapping[:b].tolist()
+        return b
+
+    monkeypatch.setattr(DecodeGraphRunner, "load", keeps_old_slots)
+    bad = check_gpu.check_padding("tiny-random", device="cpu")
+    assert not bad["ok"] and 33 in bad["slots_written"], bad
+
+
+def test_a_backend_that_cannot_be_captured_decodes_eagerly_with_a_warning_naming_it(monkeypatch):
+    """A reader's backend that indexes with a boolean mask cannot be captured into a CUDA graph (exercise 05's first
+    solution could not, on an H200): the runner keeps no graph, warns with the backend's name, and decodes eagerly."""
+    reference = run_engine(_engine_pair()[0], _varying_batches(4))
+    stream = object()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: stream)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_stream", restored.append)
+
+    def fails(self):
+        self.graphs[8] = "half-recorded"
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
+
+    monkeypatch.setattr(DecodeGraphRunner, "_record_graphs", fails)
+    llm = LLM("tiny-random", block_size=4, num_blocks=200, max_num_seqs=8, device="cpu")
+    with pytest.warns(RuntimeWarning, match="capture failed with the attention backend PagedKVCache .*"
+                                            "operation not permitted when stream is capturing.*run eagerly"):
+        assert llm.engine.runner.enable_decode_graphs(8, llm.engine.max_model_len, capture=True)
+    graphs = llm.engine.runner.graph_runner
+    assert graphs.graphs == {} and restored == [stream] and llm.engine.stats().cuda_graph_sizes == ()
+    assert run_engine(llm, _varying_batches(4)) == reference and graphs.num_replays == 0 and graphs.num_eager > 0

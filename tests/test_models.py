@@ -402,3 +402,18 @@ def test_the_embedded_models_tokenizer_is_the_one_autotokenizer_loads(name):
         chat, add_generation_prompt=True)
     assert (ours.all_special_ids, ours.eos_token_id, ours.pad_token_id, len(ours)) == (
         theirs.all_special_ids, theirs.eos_token_id, theirs.pad_token_id, len(theirs))
+
+
+def test_the_converted_tokenizer_has_the_special_tokens_the_gguf_states():
+    """transformers 5.17's GGUF conversion made ``<|im_start|>`` the end-of-sequence token (a chat reply then ran
+    past ``<|im_end|>``); the loader sets bos, eos, unk and pad from the GGUF's own ids."""
+    from minivllm.models.loader import gguf_path, gguf_special_tokens, set_special_tokens
+
+    ids = gguf_special_tokens(gguf_path())
+    assert ids == {"bos_token": 1, "eos_token": 2, "unk_token": 0, "pad_token": 2}
+    tok = load_tokenizer("smollm2-135m")
+    assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id) == (1, 2, 0, 2)
+    assert tok.eos_token == "<|im_end|>"
+    tok.eos_token, tok.pad_token = "<|im_start|>", None  # what the 5.17 conversion gave
+    set_special_tokens(tok, ids)
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|im_end|>", 2, 2)

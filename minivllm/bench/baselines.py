@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 import math
 import time
@@ -178,6 +179,15 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def continuous_batching_options(options: dict, accepted) -> dict:
+    """``options`` with this module's defaults, the page size under the name this transformers takes
+    (``accepted``: ``ContinuousBatchingConfig``'s parameters): ``page_size``, or ``block_size`` before 5.2x."""
+    options = {"page_size": 64, "max_batch_tokens": 512, "allow_block_sharing": False, **options}
+    if "page_size" not in accepted:
+        options["block_size"] = options.pop("page_size")
+    return options
+
+
 def hf_generate_batch(hf_model, prompts_ids: list[list[int]], max_tokens_list: list[int], timestamps: bool = False,
                       **options):
     """HF transformers continuous batching (what ``generate_batch`` runs), greedy, exactly ``max_tokens_list[i]`` each.
@@ -194,9 +204,8 @@ def hf_generate_batch(hf_model, prompts_ids: list[list[int]], max_tokens_list: l
     from transformers import ContinuousBatchingConfig, GenerationConfig  # optional and heavy: HF baselines only
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
-    page = options.setdefault("page_size", 64)
-    options.setdefault("max_batch_tokens", 512)
-    options.setdefault("allow_block_sharing", False)
+    options = continuous_batching_options(options, inspect.signature(ContinuousBatchingConfig).parameters)
+    page = options.get("page_size", options.get("block_size"))
     need = sum(cdiv(len(p) + m, page) + 1 for p, m in zip(prompts_ids, max_tokens_list))
     options.setdefault("num_blocks", math.ceil(need / 0.8))  # its scheduler keeps 15% of the blocks free
     config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens_list), eos_token_id=-1)

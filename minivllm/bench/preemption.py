@@ -74,7 +74,7 @@ def preemption_summary(trace: ServingTrace, stats) -> dict:
 
 def run_preemption_settings(model: str, arrivals: list[Arrival], squeezed_blocks: int, settings=None,
                             block_size: int = 4, device=None, max_num_seqs: int | None = None,
-                            max_num_batched_tokens: int = 2048) -> tuple[dict, dict]:
+                            max_num_batched_tokens: int = 2048, dtype: str = "auto") -> tuple[dict, dict]:
     """Replay ``arrivals`` once with a roomy pool and once per setting on ``squeezed_blocks`` blocks.
 
     Returns ``(rows, traces)`` keyed by setting name (``"roomy"`` first); each row
@@ -87,7 +87,7 @@ def run_preemption_settings(model: str, arrivals: list[Arrival], squeezed_blocks
     for name, opts in {"roomy": {}, **settings}.items():
         blocks = _blocks_for(arrivals, block_size) + 8 if name == "roomy" else squeezed_blocks
         llm = LLM(model, block_size=block_size, num_blocks=blocks, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=max_num_batched_tokens, device=device, **opts)
+                  max_num_batched_tokens=max_num_batched_tokens, device=device, dtype=dtype, **opts)
         warm_up(llm)
         before = llm.engine.stats()
         trace = replay(llm.engine, arrivals, llm.engine.runner.device, label=name)

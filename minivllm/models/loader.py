@@ -76,6 +76,26 @@ def gguf_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
 
 
+GGUF_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                       "unk_token": "tokenizer.ggml.unknown_token_id", "pad_token": "tokenizer.ggml.padding_token_id"}
+
+
+def gguf_special_tokens(path: Path) -> dict[str, int]:
+    """The special token ids a GGUF file states (``{"eos_token": 2, ...}``), for those it has."""
+    from gguf import GGUFReader  # only for the one-time conversion
+
+    fields = GGUFReader(path).fields
+    return {name: int(fields[key].contents()) for name, key in GGUF_SPECIAL_TOKENS.items() if key in fields}
+
+
+def set_special_tokens(tok, ids: dict[str, int]):
+    """Give ``tok`` the special tokens ``ids`` names. transformers' GGUF conversion does not always keep them:
+    5.17 made ``<|im_start|>`` SmolLM2's end-of-sequence token, so a chat reply ran past its ``<|im_end|>``."""
+    for name, token_id in ids.items():
+        setattr(tok, name, tok.convert_ids_to_tokens(token_id))
+    return tok
+
+
 def smollm2_folder() -> Path:
     """The cached fp32 safetensors folder of SmolLM2-135M-Instruct, converted on first use."""
 
@@ -83,7 +103,7 @@ def smollm2_folder() -> Path:
         from transformers import AutoModelForCausalLM  # only for this one-time conversion
 
         src = gguf_path()
-        tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+        tok = set_special_tokens(AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name), gguf_special_tokens(src))
         hf = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
         # transformers will not save a model loaded from GGUF, so write the folder by hand.
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
