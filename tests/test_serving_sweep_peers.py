@@ -135,6 +135,27 @@ def test_the_sweep_gives_minivllm_its_compiled_paths_when_asked_in_the_server_an
     assert "compile_attention" not in asked[-1] and "compile_matvec" not in asked[-1]
 
 
+def test_the_sweep_gives_minivllm_chunked_prefill_when_asked_and_refuses_a_budget_no_prompt_fits_without_it(
+        empty_peers, tmp_path, monkeypatch):
+    from minivllm.bench import serving_sweep
+
+    asked = []
+    real = serving_sweep.offline_engine
+    monkeypatch.setattr(serving_sweep, "offline_engine", lambda *a, **kw: asked.append(kw) or real(*a, **kw))
+    report = tmp_path / "sweep.json"
+    small = ["--model", "tiny-random", "--skip-transformers", "--rates", "8", "--num-requests", "2", "--output-len",
+             "2", "2", "--prompt-len", "6", "6", "--repeats", "1", "--max-num-seqs", "4", "--max-num-batched-tokens", "4"]
+    assert serving_sweep_main([*small, "--chunked-prefill", "2", "--json", str(report)]) == 0
+    sweep = json.loads(report.read_text())
+    argv = sweep["servers"]["minivllm serve"]["argv"]
+    assert "--enable-chunked-prefill" in argv and argv[argv.index("--max-prefill-chunk-size") + 1] == "2"
+    assert asked[-1]["enable_chunked_prefill"] is True and asked[-1]["max_prefill_chunk_size"] == 2
+    assert sweep["results"]["minivllm serve"]["8.0"]["failed"] == 0
+    with pytest.raises(SystemExit):  # 4 tokens a step cannot hold a 6-token prompt unless it is chunked
+        parse_args(small)
+    assert parse_args(small[:-2]).chunked_prefill == 0
+
+
 def test_the_llamacpp_backend_biases_every_special_token_away_and_turns_off_the_repeat_penalty(monkeypatch):
     tok = load_tokenizer("smollm2-135m")
     extra = request_extra("llamacpp", tok)
