@@ -23,9 +23,10 @@ from minivllm import LLM, SamplingParams
 from minivllm.bench import (WORKLOADS, speculative_main, check_workload_sizes, format_results, make_workload, measure_machine,
                             roofline, run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
                             run_static, same_outputs, step_breakdown)
-from minivllm.bench.cli import (add_compile_flags, add_min_max, block_size_int, check_token_budget, device_name,
-                                nonneg_finite_float, nonneg_int, positive_finite_float, positive_int, probability,
-                                server_url, top_k_int, writable_file)
+from minivllm.bench.cli import (add_chunked_prefill_flag, add_compile_flags, add_min_max, block_size_int,
+                                check_token_budget, chunked_prefill_options, device_name, nonneg_finite_float,
+                                nonneg_int, positive_finite_float, positive_int, probability, server_url, top_k_int,
+                                writable_file)
 from minivllm.bench.online import BACKENDS, run_online, served_model
 from minivllm.bench.peers import (ALIASES, COMPARE_PEERS, PeerMissing, batch1_tpot, peer_installed, peer_table,
                                   run_peer)
@@ -160,8 +161,7 @@ def _engine_options(args, device) -> dict:
                 enable_prefix_caching=args.prefix_caching, device=str(device), dtype=args.dtype)
     if args.max_num_seqs:
         opts["max_num_seqs"] = args.max_num_seqs
-    if args.chunked_prefill:
-        opts.update(enable_chunked_prefill=True, max_prefill_chunk_size=args.chunked_prefill)
+    opts.update(chunked_prefill_options(args.chunked_prefill))
     if args.tensor_parallel_size > 1:
         opts["tensor_parallel_size"] = args.tensor_parallel_size
     if args.kv_offload_blocks:
@@ -408,8 +408,7 @@ def main(argv=None) -> int:
     b.add_argument("--block-size", type=block_size_int, default=16)
     b.add_argument("--max-num-seqs", type=positive_int, default=None, help="default: every request of the workload")
     b.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    b.add_argument("--chunked-prefill", type=nonneg_int, default=0, metavar="CHUNK",
-                   help="enable with this chunk size (0 = off)")
+    add_chunked_prefill_flag(b)
     b.add_argument("--prefix-caching", action="store_true")
     b.add_argument("--kv-offload-blocks", type=nonneg_int, default=0, metavar="BLOCKS",
                    help="a CPU tier of this many blocks for the prefix cache (chapter 14; needs --prefix-caching)")

@@ -15,7 +15,7 @@ from minivllm.config import available_devices
 
 __all__ = ["positive_int", "nonneg_int", "block_size_int", "top_k_int", "positive_finite_float", "nonneg_finite_float",
            "probability", "watermark_fraction", "device_name", "server_url", "writable_file", "MinMax", "add_min_max",
-           "add_compile_flags", "check_token_budget", "bench_parser", "offline_env", "SUBCOMMANDS"]
+           "add_compile_flags", "add_chunked_prefill_flag", "chunked_prefill_options", "check_token_budget", "bench_parser", "offline_env", "SUBCOMMANDS"]
 
 
 # -- Checked types: each parses one flag's text or raises ArgumentTypeError saying the allowed range ---------
@@ -106,6 +106,18 @@ def add_compile_flags(parser, whose: str = "", compiles: str = "every batch buck
     parser.add_argument("--compile-matvec", action="store_true",
                         help=f"{whose}decode batches of one or two rows run compiled matrix-vector kernels and layers "
                              "where that measures faster (chapter 12; the CPU, float32); it compiles at startup")
+
+
+def add_chunked_prefill_flag(parser, whose: str = "") -> None:
+    """``--chunked-prefill CHUNK``: chunked prefill with this chunk size, 0 for off (chapter 09);
+    :func:`chunked_prefill_options` turns it into engine options."""
+    parser.add_argument("--chunked-prefill", type=nonneg_int, default=0, metavar="CHUNK",
+                        help=f"{whose}chunked prefill with this chunk size (0 = off)")
+
+
+def chunked_prefill_options(chunk: int) -> dict:
+    """The engine options of ``--chunked-prefill CHUNK`` (none when it is 0)."""
+    return dict(enable_chunked_prefill=True, max_prefill_chunk_size=chunk) if chunk else {}
 
 
 def check_token_budget(parser, budget: int, max_num_seqs: int, seqs_from: str, longest_prompt: int | None = None,

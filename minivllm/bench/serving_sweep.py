@@ -45,8 +45,9 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from minivllm.bench.cli import (add_compile_flags, add_min_max, bench_parser, check_token_budget, nonneg_int,
-                                offline_env, positive_finite_float, positive_int, writable_file)
+from minivllm.bench.cli import (add_chunked_prefill_flag, add_compile_flags, add_min_max, bench_parser,
+                                check_token_budget, chunked_prefill_options, offline_env, positive_finite_float,
+                                positive_int, writable_file)
 from minivllm.bench.harness import run_engine
 from minivllm.bench.online import run_online, text_prompts
 from minivllm.bench.peers import PeerMissing, peer_server
@@ -232,9 +233,8 @@ def _parser():
     p.add_argument("--num-blocks", type=positive_int, default=1024, help="minivllm's KV pool, in blocks")
     add_compile_flags(p, "minivllm's server and offline engine: ",
                       "every batch bucket compiles before the port opens, and before timing offline")
-    p.add_argument("--chunked-prefill", type=nonneg_int, default=0, metavar="CHUNK",
-                   help="minivllm's server and offline engine: chunked prefill with this chunk size (0 = off); "
-                        "with a small --max-num-batched-tokens it bounds how long a prefill stalls the decodes")
+    add_chunked_prefill_flag(p, "minivllm's server and offline engine (with a small --max-num-batched-tokens it "
+                                "bounds how long a prefill stalls the decodes): ")
     p.add_argument("--transformers-flags", default="--cb-max-batch-tokens 2048",
                    help="extra flags for transformers serve, one string ('' for its defaults)")
     p.add_argument("--skip-transformers", action="store_true")
@@ -292,11 +292,6 @@ def _repeats(args, servers: dict, plan: dict, tok) -> dict:
     return runs
 
 
-def chunking(args) -> dict:
-    """The engine options of ``--chunked-prefill CHUNK`` (none when it is 0)."""
-    return dict(enable_chunked_prefill=True, max_prefill_chunk_size=args.chunked_prefill) if args.chunked_prefill else {}
-
-
 def _offline_repeats(args, plan: dict, tok) -> list:
     """The offline engine on the top rate's requests, once per repeat, after the servers are stopped (a server
     process left up still holds its threads, and transformers serve's batching loop keeps polling)."""
@@ -306,7 +301,7 @@ def _offline_repeats(args, plan: dict, tok) -> list:
         result = offline_engine(plan[repeat, top], tok, args.model, block_size=args.block_size,
                                 max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
-                                **({"device": args.device} if args.device else {}), **chunking(args),
+                                **({"device": args.device} if args.device else {}), **chunked_prefill_options(args.chunked_prefill),
                                 **{flag: True for flag in COMPILE_FLAGS if getattr(args, flag)})
         runs.append((result.throughput, os.getloadavg()[0]))
         print(f"  repeat {repeat + 1} offline engine: {result.throughput:.1f} tok/s", flush=True)
@@ -327,8 +322,8 @@ def serving_sweep_main(argv=None) -> int:
               str(args.num_blocks), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     engine += ["--device", args.device] if args.device else []
     engine += [f"--{flag.replace('_', '-')}" for flag in COMPILE_FLAGS if getattr(args, flag)]
-    engine += ["--enable-chunked-prefill", "--max-prefill-chunk-size", str(args.chunked_prefill)] * bool(
-        args.chunked_prefill)
+    if args.chunked_prefill:
+        engine += ["--enable-chunked-prefill", "--max-prefill-chunk-size", str(args.chunked_prefill)]
     slo = {"ttft": args.slo_ttft / 1e3, "tpot": args.slo_tpot / 1e3}
     print(f"workload: {first.description.split(', Poisson')[0]}, Poisson arrivals at {args.rates} /s; greedy, exact "
           f"output lengths; {args.model}; {args.repeats} repeat(s), round robin; load average "
