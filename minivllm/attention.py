@@ -13,6 +13,7 @@ before the first layer), and gets the attention output back.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import math
@@ -31,6 +32,7 @@ __all__ = [
     "dense_causal",
     "chunked_causal",
     "attend",
+    "attend_fresh",
     "fold_mask",
     "KVCache",
     "NoCache",
@@ -116,6 +118,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.reshape(*lead, h, nq, d)
 
 
+def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention for rows of fresh prompts (chapter 12): each row's queries are its keys' positions from 0.
+
+    ``q`` is ``[B, heads, Lq, dim]``; ``k``, ``v`` are ``[B, kv_heads, >= Lq, dim]``,
+    key ``j`` at position ``j``. Query ``i`` sees keys ``0..i``, which is SDPA's own
+    causal rule (the diagonal top left), so no mask is built or read and the
+    kernel skips the blocks above the diagonal: half the work of a long prompt.
+    A padding query row (past its prompt's end) sees keys it should not, and
+    its output is dropped.
+    """
+    n = q.shape[-2]
+    return F.scaled_dot_product_attention(q, k[..., :n, :], v[..., :n, :], is_causal=True, enable_gqa=True)
+
+
+@functools.cache
+def causal_gqa_supported() -> bool:
+    """Whether this torch's SDPA takes ``enable_gqa`` (2.5 and newer), which :func:`attend_fresh` needs."""
+    try:
+        x = torch.zeros(1, 2, 1, 8)
+        F.scaled_dot_product_attention(x, x[:, :1], x[:, :1], is_causal=True, enable_gqa=True)
+    except TypeError:
+        return False
+    return True
+
+
 def fold_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
     """``mask[..., nq, nk]`` repeated for the ``group`` query heads that :func:`attend` folds into the query axis."""
     if group == 1:
@@ -199,6 +226,9 @@ class AttentionGroup:
     says where their outputs go back. ``every_token`` says the group is the
     whole step, one query per row in token order (a decode-only step): its
     queries and outputs are the step's own, with no gather or scatter.
+    ``fresh`` says every row is a whole prompt (its context is its queries):
+    the causal rule from position 0, which :func:`attend_fresh` applies
+    without the mask (chapter 12).
     """
 
     block_tables: torch.Tensor  # [B, W] long
@@ -210,6 +240,7 @@ class AttentionGroup:
     all_valid: bool  # no padding rows (every decode group): the output needs no boolean gather
     every_token: bool = False  # row b is token b, one query each: q and the output need no indexing
     context_lens: torch.Tensor | None = None  # [B] long: each row's context (what a compiled decode reads)
+    fresh: bool = False  # prefill rows whose every query is its own whole context (no cached keys before them)
     built: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # built once per step, then reused
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -343,8 +374,9 @@ class PagedBatch:
         mask[:, :, 0] |= ~valid  # padded rows see one key, so softmax stays finite
         query_index = torch.where(valid, start[:, None] + i, 0)
         every_token = max_q == 1 and [starts[b] for b in rows] == list(range(self.num_tokens))
+        fresh = max_q > 1 and all(context_lens[b] == query_lens[b] for b in rows)
         return AttentionGroup(tables, mask, fold_mask(mask, self.num_queries_per_kv), query_index, valid,
-                              query_index[valid], bool(qlen.min() == max_q), every_token, ctx)
+                              query_index[valid], bool(qlen.min() == max_q), every_token, ctx, fresh)
 
 
 def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = MAX_GROUPS,
@@ -522,7 +554,8 @@ class PagedKVCache:
         return k_slots, v_slots, batch.write_slots(self.scratch_slot), tables, context_lens, self.block_size
 
     def _attend_group(self, g: AttentionGroup, queries, k_pool, v_pool) -> torch.Tensor:
-        """One group's output ``[B, Lq, heads, D]``: decode rows compiled in place where chosen, else gathered."""
+        """One group's output ``[B, Lq, heads, D]``: decode rows compiled in place where chosen, else gathered;
+        a group of fresh prompts by SDPA's causal rule, any other by the group's mask."""
         if self.compiled is not None and queries.shape[2] == 1:
             try:
                 return self.compiled(queries[:, :, 0], k_pool, v_pool, *g.bucketed()).unsqueeze(1)
@@ -533,6 +566,8 @@ class PagedKVCache:
         flat = g.block_tables.flatten()
         keys = k_pool.index_select(0, flat).view(B, W * block_size, kv_heads, d).transpose(1, 2)
         values = v_pool.index_select(0, flat).view(B, W * block_size, kv_heads, d).transpose(1, 2)
+        if g.fresh and causal_gqa_supported():
+            return attend_fresh(queries, keys, values).transpose(1, 2)
         return attend(queries, keys, values, g.additive_mask(queries.dtype)).transpose(1, 2)
 
     forward.skips_padding_slots = True  # a subclass that overrides forward must say so itself (CUDA graphs rely on it)

@@ -120,3 +120,27 @@ def test_write_slots_send_padding_rows_to_the_scratch_slot_once_per_step():
     batch = PagedBatch.for_decode(torch.tensor([[1, 2], [3, 0]]), torch.tensor([5, 1]), torch.tensor([6, -1]), 4)
     slots = batch.write_slots(99)
     assert slots.tolist() == [6, 99] and batch.write_slots(99) is slots
+
+
+def test_fresh_prompts_attend_causally_without_a_mask_and_equal_per_sequence_attention(monkeypatch):
+    """A group of whole prompts (no cached keys before them) takes SDPA's causal rule: no additive mask is built,
+    padding query rows included, and the output is attention one sequence at a time; a group with a cached prefix
+    keeps the mask."""
+    import minivllm.attention as attention
+
+    ctx, qlen = [5, 17, 30, 64, 9, 40, 23], [5, 17, 30, 64, 1, 1, 1]  # four fresh prompts of spread lengths, decodes
+    out, expected, batch = _paged_step(ctx, qlen, seed=2)
+    fresh = [g for g in batch.groups if g.fresh]
+    assert fresh and sorted(sum((g.out_index.tolist() for g in fresh), [])) == list(range(116))
+    assert all(g.valid.sum() < g.valid.numel() for g in fresh[:1])  # the longest prompt pads the others' rows
+    assert not any(torch.float32 in g.built for g in fresh)  # the causal path: no mask built
+    assert (out - expected).abs().max().item() < 1e-5
+
+    out, expected, batch = _paged_step([12, 40], [12, 9], seed=3)  # a chunk after 31 cached keys shares the group
+    assert not any(g.fresh for g in batch.groups) and all(torch.float32 in g.built for g in batch.groups)
+    assert (out - expected).abs().max().item() < 1e-5
+
+    monkeypatch.setattr(attention, "causal_gqa_supported", lambda: False)  # a torch without enable_gqa
+    out, expected, batch = _paged_step(ctx, qlen, seed=2)
+    assert all(torch.float32 in g.built for g in batch.groups if g.fresh)
+    assert (out - expected).abs().max().item() < 1e-5

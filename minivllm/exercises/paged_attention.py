@@ -94,18 +94,20 @@ class _Step:
         out = {"the keys were read before this step's keys and values were written: write them through "
                "batch.slot_mapping first, then gather (a query must see its own key)":
                self.minivllm(k=flat_k[self.batch.slot_mapping], v=flat_v[self.batch.slot_mapping])}
-        ones = [dataclasses.replace(g, mask=torch.ones_like(g.mask), folded_mask=torch.ones_like(g.folded_mask))
-                for g in self.batch.groups]
+        # each mistake is minivllm's forward reading a wrong mask; fresh=False, so no group takes the causal rule
+        ones = [dataclasses.replace(g, mask=torch.ones_like(g.mask), folded_mask=torch.ones_like(g.folded_mask),
+                                    fresh=False) for g in self.batch.groups]
         out["the mask was ignored: each query may see only its sequence's keys up to its own position "
             "(g.mask; whole blocks hold unwritten slots and padding)"] = self.minivllm(batch=_with_groups(self.batch, ones))
         if any(g.mask.shape[1] == 1 for g in self.batch.groups):
             decode_unmasked = [dataclasses.replace(g, mask=torch.ones_like(g.mask), folded_mask=torch.ones_like(
-                g.folded_mask)) if g.mask.shape[1] == 1 else g for g in self.batch.groups]
+                g.folded_mask), fresh=False) if g.mask.shape[1] == 1 else g for g in self.batch.groups]
             out["a decode group (one query per row) was attended without its mask: a decode query may see every key "
                 "of its own sequence, but its row's whole blocks also hold slots past its last token and padding "
                 "blocks (block 0, another sequence's keys); g.mask hides them, so apply it to every group"] = \
                 self.minivllm(batch=_with_groups(self.batch, decode_unmasked))
-        flipped = [dataclasses.replace(g, mask=~g.mask, folded_mask=~g.folded_mask) for g in self.batch.groups]
+        flipped = [dataclasses.replace(g, mask=~g.mask, folded_mask=~g.folded_mask, fresh=False)
+                   for g in self.batch.groups]
         out["the mask is flipped: True in g.mask means 'may attend' (scores.masked_fill(~mask, -inf))"] = \
             self.minivllm(batch=_with_groups(self.batch, flipped))
         if c_.heads > kvh:
