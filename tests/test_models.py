@@ -133,9 +133,10 @@ def test_plain_rows_that_win_keeps_the_plain_layout_only_while_it_is_clearly_fas
 
 @pytest.mark.parametrize("compiled_share,expected", [
     ({1: 0.6, 2: 0.6}, 2),   # the AMD EPYC's case: the compiled decode beats the layouts at one and two rows
-    ({1: 0.6, 2: 0.95}, 1),  # two rows within the margin: one row only
+    ({1: 0.6, 2: 0.97}, 1),  # two rows outside the margin (0.95): one row only
     ({1: 1.2, 2: 0.5}, 0),   # slower at one row: none, whatever two rows do
-    ({1: 0.9, 2: 0.9}, 2),   # exactly the margin counts as a win
+    ({1: 0.95, 2: 0.95}, 2),  # exactly the margin counts as a win
+    ({1: 0.92, 2: 1.0}, 1),  # within 0.95 but not 0.9 (the layouts' margin): the race's own margin decides
 ])
 def test_compile_matvec_takes_the_rows_where_the_compiled_decode_is_clearly_faster(monkeypatch, compiled_share,
                                                                                    expected):
