@@ -123,10 +123,10 @@ def attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
 
     ``q`` is ``[B, heads, Lq, dim]``; ``k``, ``v`` are ``[B, kv_heads, >= Lq, dim]``,
     key ``j`` at position ``j``. Query ``i`` sees keys ``0..i``, which is SDPA's own
-    causal rule (the diagonal top left), so no mask is built or read and the
-    kernel skips the blocks above the diagonal: half the work of a long prompt.
-    A padding query row (past its prompt's end) sees keys it should not, and
-    its output is dropped.
+    causal rule (the diagonal top left), so no mask is built or read, and for a
+    long prompt the kernel skips the key tiles wholly above the diagonal. A
+    padding query row (past its prompt's end) sees keys it should not, and its
+    output is dropped.
     """
     n = q.shape[-2]
     return F.scaled_dot_product_attention(q, k[..., :n, :], v[..., :n, :], is_causal=True, enable_gqa=True)
