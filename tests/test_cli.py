@@ -4,15 +4,18 @@ Covers ``python -m minivllm generate|bench`` and ``python -m minivllm.bench [int
 preemption]`` (chapters 07-11), and the same checks one level down, in :func:`minivllm.bench.make_workload`.
 """
 
+import errno
 import importlib
 import math
 import os
+import socket
 
 import pytest
 
 import minivllm
 import minivllm.models
 from minivllm.__main__ import main
+from minivllm.bench.server_process import free_port
 from minivllm.bench import (interference_arrivals, main as bench_main, make_workload, poisson_times, random_workload,
                             shared_prefix_arrivals, squeezed_arrivals)
 from minivllm.models import load_tokenizer
@@ -263,6 +266,7 @@ def no_engine(monkeypatch):
         raise AssertionError("an engine was built before the command line was checked")
 
     monkeypatch.setattr(minivllm.serving.cli, "LLMEngine", loaded)
+    monkeypatch.setattr(minivllm.serving.cli, "make_engine", loaded)
 
 
 @pytest.mark.parametrize("argv, flag, allowed", SERVE_CASES, ids=[" ".join(c[0]) for c in SERVE_CASES])
@@ -294,8 +298,44 @@ def test_generate_refuses_what_only_the_model_knows_after_loading_it(capsys):
 
 
 def test_serve_refuses_a_context_longer_than_the_models_before_the_port_opens(capsys):
-    message = refused(main, ["serve", "--model", "tiny-random", "--max-model-len", "100000", "--port", "1"], capsys)
+    port = str(free_port())
+    message = refused(main, ["serve", "--model", "tiny-random", "--max-model-len", "100000", "--port", port], capsys)
     assert "--max-model-len" in message and "16384" in message, message
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", int(port)))  # the refusal let the port go
+
+
+def test_serve_refuses_a_port_in_use_or_a_host_it_cannot_resolve_before_loading_a_model(no_engine, capsys):
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = str(other.getsockname()[1])
+        message = refused(main, ["serve", "--model", "tiny-random", "--port", port], capsys)
+    assert "--port" in message and f"127.0.0.1:{port}" in message and "in use" in message, message
+    message = refused(main, ["serve", "--model", "tiny-random", "--host", "no-such-host.invalid"], capsys)
+    assert "--host" in message and "no-such-host.invalid" in message, message
+
+
+def test_serve_holds_its_port_while_the_engine_loads(monkeypatch, capsys):
+    """Tensor-parallel ranks open rendezvous and gloo sockets while the engine loads: the HTTP port is bound
+    first, so none of them can be given it (a server that lost its port to its own ranks failed after the load)."""
+    import minivllm.serving.cli
+
+    port, seen = free_port(), []
+
+    def make_engine(config):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                seen.append("free")
+            except OSError as e:
+                seen.append(e.errno)
+        raise ValueError("max_model_len refused here, to stop the server before it serves")
+
+    monkeypatch.setattr(minivllm.serving.cli, "make_engine", make_engine)
+    message = refused(main, ["serve", "--model", "tiny-random", "--port", str(port)], capsys)
+    assert "--max-model-len" in message, message
+    assert seen == [errno.EADDRINUSE], f"the port was {seen} while the engine loaded"
 
 
 @pytest.mark.parametrize("options", [dict(max_model_len=10), dict(num_blocks=1),

@@ -3,8 +3,11 @@
 Flags are made from the ``EngineConfig`` dataclass, so a new engine option is
 a new flag. Bad values are refused as usage errors naming the flag before any
 model loads (and a value only the loaded model refutes, such as a longer
-``--max-model-len``, before the port opens). SIGTERM (or Ctrl-C) stops accepting requests, lets the ones in
-flight finish for ``--shutdown-grace`` seconds, aborts the rest, and exits 0.
+``--max-model-len``, before the port opens). The port is bound before the
+model loads, so a port in use is refused at once; uvicorn listens on it once
+the engine is warm. SIGTERM (or Ctrl-C) stops accepting requests, lets the
+ones in flight finish for ``--shutdown-grace`` seconds, aborts the rest, and
+exits 0.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import argparse
 import json
 import logging
 import signal
+import socket
 import sys
 from dataclasses import MISSING, fields
 from typing import NoReturn
@@ -29,7 +33,7 @@ from minivllm.serving.async_llm import AsyncLLM
 from minivllm.serving.metrics import ServerMetrics
 
 __all__ = ["add_serve_arguments", "engine_config", "serve_main", "GracefulServer", "FIELD_HELP", "usage_error",
-           "check_model", "warm_up"]
+           "check_model", "warm_up", "bind_port"]
 
 FIELD_HELP = {
     "collective_timeout": "seconds a tensor-parallel collective waits for a stopped or stuck rank before the step "
@@ -181,6 +185,26 @@ def warm_up(engine: LLMEngine) -> LLMEngine:
     return engine
 
 
+def bind_port(parser: argparse.ArgumentParser, host: str, port: int) -> socket.socket:
+    """The HTTP port, bound before the model loads: a port in use is a usage error at once, not after the load,
+    and no socket the engine opens meanwhile (tensor-parallel ranks' rendezvous and gloo) can be given it.
+
+    uvicorn listens on this socket once the engine is warm; until then a connection is refused."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        parser.error(f"argument --host: cannot resolve {host!r}: {e.strerror}")
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: a restart need not wait
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        parser.error(f"argument --port: cannot listen on {host}:{port}: {e.strerror}")
+    return sock
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn's server whose exit signal first starts the engine's drain (no new requests, a grace period)."""
 
@@ -199,20 +223,21 @@ def serve_main(args, parser: argparse.ArgumentParser) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     name = args.served_model_name or config.model
     metrics = ServerMetrics(name, speculative=config.speculative_config is not None)
-    try:  # built in the loop's thread; what the engine refuses of the model (a longer --max-model-len) is usage
-        async_llm = AsyncLLM(lambda: warm_up(make_engine(config)), args.max_queue_size, metrics)
-    except ValueError as e:
-        usage_error(parser, e)
-    engine = async_llm.engine
-    app = build_app(OpenAIServing(async_llm, name), metrics, args.max_request_bytes)
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=int(args.shutdown_grace) + 5), async_llm,
-                            args.shutdown_grace)
-    print(f"minivllm: serving {name} ({engine.num_blocks} KV blocks of {config.block_size}) on "
-          f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal after its graceful stop: exit 0
-        signal.signal(sig, _drained)
-    server.run()
+    with bind_port(parser, args.host, args.port) as sock:  # before the load: nothing the engine opens can take it
+        try:  # built in the loop's thread; what the engine refuses of the model (a longer --max-model-len) is usage
+            async_llm = AsyncLLM(lambda: warm_up(make_engine(config)), args.max_queue_size, metrics)
+        except ValueError as e:
+            usage_error(parser, e)
+        engine = async_llm.engine
+        app = build_app(OpenAIServing(async_llm, name), metrics, args.max_request_bytes)
+        server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                               timeout_graceful_shutdown=int(args.shutdown_grace) + 5), async_llm,
+                                args.shutdown_grace)
+        print(f"minivllm: serving {name} ({engine.num_blocks} KV blocks of {config.block_size}) on "
+              f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal after its graceful stop: exit 0
+            signal.signal(sig, _drained)
+        server.run(sockets=[sock])
     async_llm.close()
     async_llm.engine.shutdown()  # worker processes (tensor parallel, disaggregated), if any (idempotent)
     return 0
