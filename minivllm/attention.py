@@ -228,7 +228,9 @@ class AttentionGroup:
     queries and outputs are the step's own, with no gather or scatter.
     ``fresh`` says every row is a whole prompt (its context is its queries):
     the causal rule from position 0, which :func:`attend_fresh` applies
-    without the mask (chapter 12).
+    without the mask, and ``spans`` where each such prompt's tokens lie in
+    the step, so it is attended alone, unpadded, from the step's own keys
+    (chapter 12).
     """
 
     block_tables: torch.Tensor  # [B, W] long
@@ -241,6 +243,7 @@ class AttentionGroup:
     every_token: bool = False  # row b is token b, one query each: q and the output need no indexing
     context_lens: torch.Tensor | None = None  # [B] long: each row's context (what a compiled decode reads)
     fresh: bool = False  # prefill rows whose every query is its own whole context (no cached keys before them)
+    spans: tuple[tuple[int, int], ...] = ()  # fresh rows' (first token in the step, tokens): attended one by one
     built: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # built once per step, then reused
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor:
@@ -375,8 +378,9 @@ class PagedBatch:
         query_index = torch.where(valid, start[:, None] + i, 0)
         every_token = max_q == 1 and [starts[b] for b in rows] == list(range(self.num_tokens))
         fresh = max_q > 1 and all(context_lens[b] == query_lens[b] for b in rows)
+        spans = tuple((starts[b], query_lens[b]) for b in rows) if fresh else ()
         return AttentionGroup(tables, mask, fold_mask(mask, self.num_queries_per_kv), query_index, valid,
-                              query_index[valid], bool(qlen.min() == max_q), every_token, ctx, fresh)
+                              query_index[valid], bool(qlen.min() == max_q), every_token, ctx, fresh, spans)
 
 
 def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = MAX_GROUPS,
@@ -531,12 +535,24 @@ class PagedKVCache:
             return varlen_paged(q, k_pool, v_pool, batch)
         out = None if batch.groups and batch.groups[0].every_token else torch.empty_like(q)
         for g in batch.groups:
+            if g.fresh and self._attends_prompts_alone():
+                for start, n in g.spans:  # a whole prompt: its keys are this step's, already in k and v
+                    rows = slice(start, start + n)
+                    o = attend_fresh(*(t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))  # [1, heads, n, D]
+                    out[rows] = o[0].transpose(0, 1)
+                continue
             queries = q.unsqueeze(2) if g.every_token else q[g.query_index].transpose(1, 2)  # [B, heads, Lq, D]
             o = self._attend_group(g, queries, k_pool, v_pool)  # [B, Lq, heads, D]
             if g.every_token:  # a decode-only step: row b is token b
                 return o.flatten(0, 1)
             out[g.out_index] = o.flatten(0, 1) if g.all_valid else o[g.valid]  # decodes: no padding rows
         return out
+
+    def _attends_prompts_alone(self) -> bool:
+        """Whether a fresh group's prompts are attended one by one from the step's keys (chapter 12): unpadded,
+        nothing gathered from the pool, no mask. Where a subclass attends its own way (``_attend_group``), or
+        SDPA has no ``enable_gqa``, every group goes through ``_attend_group``."""
+        return type(self)._attend_group is PagedKVCache._attend_group and causal_gqa_supported()
 
     def decode_in_place(self, layer: int, batch: PagedBatch | None) -> tuple | None:
         """What a decoder layer compiled whole with its attention reads in a decode-only step (``compile_matvec``,

@@ -63,7 +63,7 @@ def test_decode_rows_stay_one_group_when_the_cache_reads_them_in_place():
     assert PagedKVCache(1, 4, 16, 1, 8, attention_kernel=GATHER).splits_decode_rows
 
 
-def _paged_step(ctx: list[int], qlen: list[int], seed: int = 0):
+def _paged_step(ctx: list[int], qlen: list[int], seed: int = 0, cache_cls=None):
     """One paged-attention step over random KV: (output, per-sequence reference output, the batch)."""
     import random
 
@@ -75,7 +75,7 @@ def _paged_step(ctx: list[int], qlen: list[int], seed: int = 0):
     free = list(range(1, 400))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctx]
-    cache = PagedKVCache(1, 400, bs, kv_heads, d)
+    cache = (cache_cls or PagedKVCache)(1, 400, bs, kv_heads, d)
     full_k = [torch.randn(c, kv_heads, d) for c in ctx]
     full_v = [torch.randn(c, kv_heads, d) for c in ctx]
     for t, k, v, c, n in zip(tables, full_k, full_v, ctx, qlen):  # the cached part, before this step
@@ -124,17 +124,35 @@ def test_write_slots_send_padding_rows_to_the_scratch_slot_once_per_step():
 
 def test_fresh_prompts_attend_causally_without_a_mask_and_equal_per_sequence_attention(monkeypatch):
     """A group of whole prompts (no cached keys before them) takes SDPA's causal rule: no additive mask is built,
-    padding query rows included, and the output is attention one sequence at a time; a group with a cached prefix
-    keeps the mask."""
+    each prompt is attended alone from the step's keys (nothing gathered, no padding row), and the output is
+    attention one sequence at a time; a group with a cached prefix keeps the mask. A cache that attends its own
+    way (``_attend_group``, exercise 05) is still given every group."""
     import minivllm.attention as attention
 
     ctx, qlen = [5, 17, 30, 64, 9, 40, 23], [5, 17, 30, 64, 1, 1, 1]  # four fresh prompts of spread lengths, decodes
+    given = []
+
+    class OwnAttention(attention.PagedKVCache):
+        def _attend_group(self, g, *args):
+            given.append(g.fresh)
+            return super()._attend_group(g, *args)
+
+    out, expected, batch = _paged_step(ctx, qlen, seed=2, cache_cls=OwnAttention)
+    assert sorted(given) == sorted(g.fresh for g in batch.groups) and any(given)
+    assert (out - expected).abs().max().item() < 1e-5
+
+    attend_group, given = attention.PagedKVCache._attend_group, []
+    monkeypatch.setattr(attention.PagedKVCache, "_attend_group",
+                        lambda self, g, *args: given.append(g.fresh) or attend_group(self, g, *args))
     out, expected, batch = _paged_step(ctx, qlen, seed=2)
     fresh = [g for g in batch.groups if g.fresh]
     assert fresh and sorted(sum((g.out_index.tolist() for g in fresh), [])) == list(range(116))
-    assert all(g.valid.sum() < g.valid.numel() for g in fresh[:1])  # the longest prompt pads the others' rows
+    assert sorted(n for g in fresh for _, n in g.spans) == [5, 17, 30, 64]
+    assert all(g.valid.sum() < g.valid.numel() for g in fresh[:1])  # the longest prompt would pad the others' rows
+    assert given and not any(given)  # only the decode rows went through the gather: each prompt alone, unpadded
     assert not any(torch.float32 in g.built for g in fresh)  # the causal path: no mask built
     assert (out - expected).abs().max().item() < 1e-5
+    monkeypatch.undo()
 
     out, expected, batch = _paged_step([12, 40], [12, 9], seed=3)  # a chunk after 31 cached keys shares the group
     assert not any(g.fresh for g in batch.groups) and all(torch.float32 in g.built for g in batch.groups)
