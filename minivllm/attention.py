@@ -535,7 +535,7 @@ class PagedKVCache:
             return varlen_paged(q, k_pool, v_pool, batch)
         out = None if batch.groups and batch.groups[0].every_token else torch.empty_like(q)
         for g in batch.groups:
-            if g.fresh and self._attends_prompts_alone():
+            if g.fresh and self._attends_prompts_alone(q.device):
                 for start, n in g.spans:  # a whole prompt: its keys are this step's, already in k and v
                     rows = slice(start, start + n)
                     o = attend_fresh(*(t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))  # [1, heads, n, D]
@@ -548,11 +548,13 @@ class PagedKVCache:
             out[g.out_index] = o.flatten(0, 1) if g.all_valid else o[g.valid]  # decodes: no padding rows
         return out
 
-    def _attends_prompts_alone(self) -> bool:
+    def _attends_prompts_alone(self, device: torch.device) -> bool:
         """Whether a fresh group's prompts are attended one by one from the step's keys (chapter 12): unpadded,
-        nothing gathered from the pool, no mask. Where a subclass attends its own way (``_attend_group``), or
-        SDPA has no ``enable_gqa``, every group goes through ``_attend_group``."""
-        return type(self)._attend_group is PagedKVCache._attend_group and causal_gqa_supported()
+        nothing gathered from the pool, no mask. On the CPU only, where it was measured: a GPU keeps one padded
+        call a group rather than a kernel launch a prompt. Where a subclass attends its own way (``_attend_group``),
+        or SDPA has no ``enable_gqa``, every group goes through ``_attend_group``."""
+        return (device.type == "cpu" and type(self)._attend_group is PagedKVCache._attend_group
+                and causal_gqa_supported())
 
     def decode_in_place(self, layer: int, batch: PagedBatch | None) -> tuple | None:
         """What a decoder layer compiled whole with its attention reads in a decode-only step (``compile_matvec``,

@@ -152,6 +152,9 @@ def test_fresh_prompts_attend_causally_without_a_mask_and_equal_per_sequence_att
     assert given and not any(given)  # only the decode rows went through the gather: each prompt alone, unpadded
     assert not any(torch.float32 in g.built for g in fresh)  # the causal path: no mask built
     assert (out - expected).abs().max().item() < 1e-5
+    cache = attention.PagedKVCache(1, 8, 4, 2, 16)
+    assert cache._attends_prompts_alone(torch.device("cpu"))
+    assert not cache._attends_prompts_alone(torch.device("cuda"))  # a GPU: one padded call a group, not one a prompt
     monkeypatch.undo()
 
     out, expected, batch = _paged_step([12, 40], [12, 9], seed=3)  # a chunk after 31 cached keys shares the group
