@@ -15,9 +15,9 @@ import pytest
 import minivllm
 import minivllm.models
 from minivllm.__main__ import main
-from minivllm.bench.server_process import free_port
 from minivllm.bench import (interference_arrivals, main as bench_main, make_workload, poisson_times, random_workload,
                             shared_prefix_arrivals, squeezed_arrivals)
+from minivllm.bench.server_process import free_port
 from minivllm.models import load_tokenizer
 
 FRONT_ENDS = ("minivllm.__main__", "minivllm.bench.cli", "minivllm.bench.throughput", "minivllm.bench.interference",
