@@ -80,6 +80,25 @@ def test_leading_agreement_counts_the_identical_leading_tokens():
         leading_agreement(ours, ours[:2])
 
 
+def test_the_peer_table_splits_each_run_into_its_prefill_phase_and_its_decode_step():
+    """Every request queued at 0: the prefill column is the last first token (the largest TTFT, not the mean or
+    the first request's), the decode step the median gap between tokens (not the mean, which a stall moves)."""
+    from minivllm.bench.harness import BenchResult
+    from minivllm.bench.metrics import RequestTimes
+
+    def result(name, firsts, gap, stall):  # each request: its first token, then 4 more `gap` apart, one stalled
+        times = [[f, f + gap, f + 2 * gap, f + 3 * gap + stall, f + 4 * gap + stall] for f in firsts]
+        return BenchResult(name, max(t[-1] for t in times), [[1] * 5 for _ in firsts],
+                           [RequestTimes(0.0, t) for t in times])
+
+    ours = result("minivllm", [0.5, 1.0, 3.0], 0.060, 0.5)
+    theirs = peers.PeerRun(result("a peer", [0.2, 2.5, 2.0], 0.045, 0.9), 0.012, {"mode": "fake"}, 1.0, "0.0")
+    rows = {line.split()[0]: line for line in peers.peer_table(ours, 0.018, {"vllm-compiled": theirs}).splitlines()}
+    assert "3.00s" in rows["minivllm"] and "60.0ms" in rows["minivllm"] and "18.0ms" in rows["minivllm"]
+    assert "2.50s" in rows["a"] and "45.0ms" in rows["a"] and "12.0ms" in rows["a"]
+    assert "prefill" in rows["system"] and "decode step" in rows["system"]
+
+
 def test_a_missing_peer_raises_peer_missing_naming_the_setup_command(empty_peers):
     workload = make_workload("offline", load_tokenizer("tiny-random"), num_requests=2)
     for key in ("vllm-eager", "vllm-compiled", "llamacpp"):

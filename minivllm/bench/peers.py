@@ -333,14 +333,26 @@ def agreement_line(ours: list[list[int]], theirs: list[list[int]]) -> str:
 
 
 def peer_table(ours: BenchResult, our_tpot: float, runs: dict) -> str:
-    """The side-by-side table: each system's offline output tok/s, batch-1 TPOT, greedy agreement with minivllm,
-    then the settings each peer ran with."""
-    head = f"{'system':<44} {'tok/s':>7} {'x minivllm':>10} {'batch-1 TPOT':>12}  greedy agreement with minivllm"
-    lines = [head, f"{'minivllm':<44} {ours.throughput:7.1f} {1:9.2f}x {our_tpot * 1e3:10.1f}ms  -"]
+    """The side-by-side table: each system's offline output tok/s, batch-1 TPOT, where its run's time went (the
+    prefill phase and the decode step), greedy agreement with minivllm, then the settings each peer ran with.
+
+    Every request is queued at once, so the prefill phase is the time until the last request has its first
+    token (the largest TTFT), and the decode step is the median gap between two tokens of a request (ITL),
+    nearly every step then decoding the whole batch: which of the two a peer does faster is what a ratio of
+    throughputs cannot say."""
+    def phases(r: BenchResult) -> str:
+        m = r.metrics()
+        return f"{m.ttft.max:11.2f}s {m.itl.p50 * 1e3:9.1f}ms"
+
+    head = (f"{'system':<44} {'tok/s':>7} {'x minivllm':>10} {'batch-1 TPOT':>12} {'prefill':>12} "
+            f"{'decode step':>11}  greedy agreement with minivllm")
+    lines = [head, f"{'minivllm':<44} {ours.throughput:7.1f} {1:9.2f}x {our_tpot * 1e3:10.1f}ms {phases(ours)}  -"]
     for run in runs.values():
         r = run.result
         lines.append(f"{r.name[:44]:<44} {r.throughput:7.1f} {r.throughput / ours.throughput:9.2f}x "
-                     f"{run.batch1_tpot * 1e3:10.1f}ms  {agreement_line(ours.token_ids, r.token_ids)}")
+                     f"{run.batch1_tpot * 1e3:10.1f}ms {phases(r)}  {agreement_line(ours.token_ids, r.token_ids)}")
+    lines.append("  prefill: until every request had its first token (the largest TTFT); decode step: the median "
+                 "gap between two tokens of a request (ITL)")
     for key, run in runs.items():
         lines.append(f"  {key} {run.version}: started in {run.startup_seconds:.0f} s; settings "
                      + ", ".join(f"{k}={v}" for k, v in run.settings.items()))
