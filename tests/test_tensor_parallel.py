@@ -5,7 +5,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ import torch
 
 from minivllm import LLM, EngineConfig, SamplingParams
 from minivllm.attention import PagedKVCache
+from minivllm.bench.server_process import free_port
 from minivllm.distributed import WorkerError
 from minivllm.distributed.protocol import StepMessage, decode, encode
 from minivllm.exercises.live import chat_prompts
@@ -304,12 +304,6 @@ def test_workers_leave_when_rank_0_exits_or_is_killed(tmp_path):
     assert not _wait_gone(line["workers"], 20)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_torchrun_env_launch_gives_the_same_tokens(tmp_path):
     script = tmp_path / "tp_torchrun.py"
     script.write_text(textwrap.dedent("""
@@ -320,7 +314,7 @@ def test_torchrun_env_launch_gives_the_same_tokens(tmp_path):
         print("RANK", os.environ["RANK"], json.dumps([o.outputs[0].token_ids for o in outs]))
     """))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(script)]
+           "--master-port", str(free_port()), str(script)]
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
