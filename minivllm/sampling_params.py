@@ -12,6 +12,12 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_N = 128
 MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
+# Bounds on what every token of every sample is checked against (vLLM has none; a request could send 300,000 stop
+# strings in a 4 MiB body). Stop strings are matched by one automaton, so their number does not slow a token down,
+# but building it takes time and memory in proportion to their total length.
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 8192  # in all
+MAX_STOP_TOKEN_IDS = 128
 
 
 @dataclass
@@ -25,7 +31,9 @@ class SamplingParams:
     ``i`` uses ``seed + i``), so its tokens do not depend on what else shares
     the batch. ``stop`` strings end the text before them (unless
     ``include_stop_str_in_output``); ``stop_token_ids`` and EOS (unless
-    ``ignore_eos``) end it at a token. ``logprobs`` asks for that many most
+    ``ignore_eos``) end it at a token. A request may have at most
+    ``MAX_STOP_STRINGS`` stop strings, ``MAX_STOP_CHARS`` characters of them in
+    all, and ``MAX_STOP_TOKEN_IDS`` stop token ids. ``logprobs`` asks for that many most
     likely tokens' log-probabilities (under the model's own distribution) at
     every step, beside the sampled token's.
 
@@ -82,14 +90,25 @@ def _string_list(value) -> list[str]:
         return []
     if isinstance(value, str):
         value = [value]
+    _check_count(value, "stop", MAX_STOP_STRINGS, "strings")
     check(isinstance(value, (list, tuple)) and all(isinstance(s, str) and s for s in value), "stop",
           "None, a non-empty string or a list of non-empty strings", value)
+    total = sum(map(len, value))
+    if total > MAX_STOP_CHARS:
+        raise ValueError(f"stop must hold at most {MAX_STOP_CHARS} characters in all, got {total}")
     return list(value)
 
 
 def _token_id_list(value) -> list[int]:
     if value is None:
         return []
+    _check_count(value, "stop_token_ids", MAX_STOP_TOKEN_IDS, "token ids")
     check(isinstance(value, (list, tuple)) and all(is_int(t) and 0 <= t <= MAX_TOKEN_ID for t in value),
           "stop_token_ids", "None or a list of token ids >= 0", value)
     return list(value)
+
+
+def _check_count(value, field: str, most: int, what: str) -> None:
+    """A list longer than ``most`` is refused by its length (before anything looks at, or echoes, its items)."""
+    if isinstance(value, (list, tuple)) and len(value) > most:
+        raise ValueError(f"{field} must be at most {most} {what}, got {len(value)}")

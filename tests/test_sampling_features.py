@@ -1,5 +1,7 @@
 """What vLLM users expect of SamplingParams: n samples sharing the prompt's blocks, stop strings, logprobs."""
 
+import random
+
 import pytest
 import torch
 
@@ -103,3 +105,72 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(ll
         out = llm.generate([prompt], greedy(max_tokens, ignore_eos=True, stop=[stop]), use_tqdm=False)[0].outputs[0]
         assert (out.finish_reason, out.stop_reason, len(out.token_ids)) == ("stop", stop, k), max_tokens
         assert out.text == after[:len(after) - len(stop)]
+
+
+# -- stop lists: bounded, and matched by one automaton (issue 52) ------------------------------------------------
+def most_stop_strings(seed: int = 0) -> list[str]:
+    """The largest stop list SamplingParams accepts: MAX_STOP_STRINGS strings, MAX_STOP_CHARS characters in all."""
+    from minivllm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+    rng, size = random.Random(seed), MAX_STOP_CHARS // MAX_STOP_STRINGS
+    return ["".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(size)) for _ in range(MAX_STOP_STRINGS)]
+
+
+@pytest.mark.parametrize("field, make, limit", [
+    ("stop", lambda n: [f"s{i}" for i in range(n)], "MAX_STOP_STRINGS"),
+    ("stop", lambda n: ["x" * (n - 1)], "MAX_STOP_CHARS"),
+    ("stop_token_ids", lambda n: list(range(n)), "MAX_STOP_TOKEN_IDS"),
+])
+def test_stop_lists_past_the_limits_are_refused_naming_the_field(llm, field, make, limit):
+    import minivllm.sampling_params as sp
+
+    most = getattr(sp, limit)
+    extra = 2 if limit == "MAX_STOP_CHARS" else 1
+    SamplingParams(**{field: make(most + extra - 1)})  # the largest list accepted
+    with pytest.raises(ValueError, match=rf"^{field} must .*at most {most}\b"):
+        SamplingParams(**{field: make(most + extra)})
+    params = SamplingParams()
+    setattr(params, field, make(300_000))  # changed after it was made: refused again when the engine copies it
+    with pytest.raises(ValueError, match=rf"^{field} must .*at most {most}\b"):
+        llm.engine.add_request("too-many-stops", [1, 2, 3], params)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def naive_first_stop(text: str, before: int, stops: list[str]):
+    """What the engine used to do: search every stop string in the text from where a new one could start."""
+    found = [(i, s) for s in stops if (i := text.find(s, max(0, before - len(s) + 1))) != -1]
+    return min(found) if found else None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_stop_automaton_finds_what_searching_every_stop_string_finds(seed):
+    from minivllm.detokenizer import StopStrings
+
+    rng = random.Random(seed)
+    for _ in range(3000):
+        alphabet = rng.choice(["ab", "abc", "aab "])
+        stops = sorted({"".join(rng.choice(alphabet) for _ in range(rng.randint(1, 5)))
+                        for _ in range(rng.randint(1, 8))})
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+        matcher, node, pos = StopStrings(tuple(stops)), 0, 0
+        while pos < len(text):
+            chunk = text[pos:pos + rng.randint(1, 5)]
+            want = naive_first_stop(text[:pos + len(chunk)], pos, stops)
+            node, found = matcher.scan(node, chunk)
+            assert (None if found is None else (pos + found[0], found[1])) == want, (stops, text, pos)
+            if want is not None:
+                break
+            pos += len(chunk)
+
+
+def test_the_largest_stop_list_ends_the_text_where_its_one_matching_string_does(llm):
+    prompt = [11, 12, 13]
+    full = llm.generate([prompt], greedy(16, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    stop = full.text[5:8]
+    many = most_stop_strings()
+    many[77] = stop  # one of them appears in the text; the rest never do
+    for n in (1, 3):
+        params = SamplingParams(n=n, temperature=0, max_tokens=16, ignore_eos=True, stop=many)
+        for c in llm.generate([prompt], params, use_tqdm=False)[0].outputs:
+            assert (c.text, c.finish_reason, c.stop_reason) == (full.text[:5], "stop", stop)
+    assert "".join(llm.stream(prompt, greedy(16, ignore_eos=True, stop=many))) == full.text[:5]

@@ -143,6 +143,27 @@ def test_a_stop_string_completed_by_the_last_allowed_token_finishes_with_stop(se
     assert "".join(c["text"] for e in events[:-1] for c in e["choices"]) == after[:-len(stop)]
 
 
+def test_stop_lists_past_the_limits_are_a_400_naming_the_field(server):
+    """Before: 300,000 stop strings in a 3.9 MB body were accepted, and searched one by one at every token."""
+    from minivllm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
+    size = MAX_STOP_CHARS // MAX_STOP_STRINGS
+    most = [f"{i:0{size}d}" for i in range(MAX_STOP_STRINGS)]
+    base = {"prompt": [11, 12, 13], "max_tokens": 4}
+    for stream in (False, True):
+        for field, value in [("stop", [f"{i}" for i in range(150_000)]), ("stop", most + ["x"]),
+                             ("stop", most[:-1] + ["x" * (size + 1)]),
+                             ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1)))]:
+            r = post(server, "/v1/completions", {**base, field: value, "stream": stream})
+            assert r.status_code == 400, (field, len(value), r.text[:300])
+            error = r.json()["error"]
+            assert error["param"] == field and "at most" in error["message"], error
+            assert len(r.content) < 2000, "the error echoed the list back"
+    for field, value in [("stop", most), ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS)))]:  # the largest
+        r = post(server, "/v1/completions", {**base, field: value})
+        assert r.status_code == 200, r.text[:300]
+
+
 # -- in this process: the app over a real engine, with a part broken on purpose ------------------------------
 
 @pytest.fixture(scope="module")
