@@ -230,6 +230,64 @@ def test_a_decode_worker_killed_while_decoding_fails_its_requests_and_keeps_no_b
     assert_clean(tiny)
 
 
+class FrontPipe:
+    """The prefill worker's pipe to the front, in this process: what it sent, and what the front sends next."""
+
+    def __init__(self):
+        self.sent, self.coming, self.on_send = [], [], None
+
+    def send(self, msg):
+        self.sent.append(msg)
+        if self.on_send is not None:
+            self.on_send(msg)
+
+    def poll(self, timeout=0):
+        return bool(self.coming)
+
+    def recv(self):
+        return self.coming.pop(0)
+
+
+class AckingLink:
+    """A KV link whose decode worker acknowledges every transfer at once (owned)."""
+
+    epoch = 0
+
+    def send_kv(self, header, kv, posted):
+        posted()
+        return 1  # ACK_OWNED
+
+
+def test_a_request_aborted_after_it_finished_in_the_same_step_is_dropped_by_the_prefill_worker(monkeypatch):
+    """Two prompts finish prefilling in one step; while the worker hands the first to the decode worker, the front's
+    abort of the second comes in (it is drained there). Before: the abort popped the second's params, then the
+    worker's own pop of them raised KeyError, the worker died and every request in prefill failed with it."""
+    from minivllm.disaggregation import worker as workers
+
+    monkeypatch.setattr(workers.Worker, "join", lambda self, epoch: None)  # no peer, no store: the link is faked
+    pipe = FrontPipe()
+    worker = workers.PrefillWorker(EngineConfig(model="tiny-random", num_blocks=64), pipe, 0, 0, 3.0, b"secret")
+    worker.link = AckingLink()
+    for rid, prompt in (("a", [5] * 20), ("b", [6] * 20)):
+        worker.handle(("add", rid, prompt, GREEDY, 0, time.perf_counter()))
+    first = []
+
+    def abort_the_other(msg):  # the front's abort of the other request arrives while this one is handed over
+        if msg[0] == "first" and not first:
+            first.append(msg[1].request_id)
+            pipe.coming.append(("abort", "b" if first[0] == "a" else "a"))
+
+    pipe.on_send = abort_the_other
+    worker.work()  # one step: both prompts finish in it
+    kept, dropped = first[0], "b" if first[0] == "a" else "a"
+    assert [(m[0], m[1] if isinstance(m[1], str) else m[1].request_id) for m in pipe.sent] == \
+        [("first", kept), ("sending", kept), ("sent", kept)]  # the aborted one: nothing sent, nothing transferred
+    assert worker.params == {} and not worker.engine.has_unfinished_requests()
+    assert worker.engine.scheduler.held == {} and worker.engine.stats().num_used_blocks == 0, "blocks leaked"
+    worker.engine.check_invariants()
+    assert dropped not in worker.engine.requests
+
+
 def test_refusals_name_the_field():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM("tiny-random", disaggregated=True, tensor_parallel_size=2)

@@ -12,7 +12,10 @@ stats, join a new epoch, shutdown), its engine's step, and transfers.
   through its handoff (:class:`~minivllm.disaggregation.handoff.KVHandoff`,
   ``kv_handoff_cls``), which frees the blocks on the ack; on no ack within the
   timeout (or a dead peer) it frees them too and the request fails; the
-  worker reports the link down.
+  worker reports the link down. An abort frees a request's held blocks and
+  forgets it wherever it is, so one that finished in the step being handled
+  (its abort drained while an earlier output of that step was sent) is
+  dropped: nothing more is sent or transferred for it.
 - The decode worker, between its steps, receives a posted transfer,
   allocates blocks, writes the KV and acknowledges (ACK_OWNED); from then on
   the request is its own. A request the front aborted gets an empty ack.
@@ -230,8 +233,11 @@ class PrefillWorker(Worker):
         if not self.engine.has_unfinished_requests():
             return
         for out in self.engine.step():
-            if out.finished:
-                self.finished(out, self.params.pop(out.request_id))
+            params = self.params.pop(out.request_id, None) if out.finished else None
+            if params is not None:
+                self.finished(out, params)
+            # else: aborted after it finished in this step (the abort came while an earlier output of the step was
+            # handled): the abort released its blocks and forgot its params, and nobody waits for it
 
     def finished(self, out, params) -> None:
         """Final at the prefill (stop, error, max_tokens 1) or handed to the decode worker."""
