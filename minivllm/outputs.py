@@ -36,6 +36,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None  # why a sample failed (finish_reason "error")
+    retryable: bool = False  # the failure was the engine's (a worker died or its link broke), not the request's: the
+    # same request may succeed if sent again (the server answers 503, not 500)
 
 
 @dataclass

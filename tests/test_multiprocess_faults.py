@@ -64,7 +64,8 @@ def wait_for(condition, timeout: float, what: str) -> float:
 
 
 def stream_one(server, prompt: list[int], max_tokens: int) -> dict:
-    """One streaming completion: how it ended ("done", "error" or the HTTP status) and how long it took."""
+    """One streaming completion: how it ended ("done", "error" or the HTTP status) and how long it took (and the
+    error event's type, if any)."""
     body = dict(model="tiny-random", prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True, stream=True)
     start = time.monotonic()
     try:
@@ -78,7 +79,42 @@ def stream_one(server, prompt: list[int], max_tokens: int) -> dict:
     assert events and events[-1] == "[DONE]", f"the stream did not end with [DONE]: {events[-3:]}"
     last = json.loads(events[-2]) if len(events) > 1 else {}
     end = "error" if "error" in last else "done" if last.get("choices", [{}])[0].get("finish_reason") else "cut"
+    return {"end": end, "seconds": time.monotonic() - start, "type": last.get("error", {}).get("type")}
+
+
+def complete_one(server, prompt: list[int], max_tokens: int) -> dict:
+    """One non-streaming completion: how it ended ("done" or the HTTP status) and how long it took."""
+    body = dict(model="tiny-random", prompt=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.monotonic()
+    try:
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=END_WITHIN)
+    except httpx.HTTPError as e:
+        return {"end": f"transport: {type(e).__name__}", "seconds": time.monotonic() - start}
+    end = "done" if r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length" else r.status_code
     return {"end": end, "seconds": time.monotonic() - start}
+
+
+def in_flight_when(server, fault, max_tokens: int = 1000) -> list[dict]:
+    """A non-streaming and a streaming request, both running when ``fault()`` runs; how each ended."""
+    results = [None, None]
+    calls = [lambda: complete_one(server, list(range(5, 25)), max_tokens),
+             lambda: stream_one(server, list(range(30, 50)), max_tokens)]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, calls[i]()), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: running_gauge(server) >= 2, 30, "both requests running")
+    fault()
+    for t in threads:
+        t.join(END_WITHIN + 10)
+    assert None not in results, results
+    return results
+
+
+def assert_retryable(ends: list[dict]) -> None:
+    """Requests in flight when a worker died: a 503 (retry), or for a stream an error event of that type; never 500."""
+    plain, streamed = ends
+    assert plain["end"] == 503, plain  # before: 500
+    assert streamed["end"] == "error" and streamed["type"] == "service_unavailable", streamed
 
 
 class Load:
@@ -99,7 +135,8 @@ class Load:
                 if next(self.count, None) is None:
                     return
             prompt = [rng.randrange(5, 200) for _ in range(rng.randint(4, 60))]
-            result = stream_one(self.server, prompt, rng.randint(8, 48))
+            one = stream_one if rng.random() < 0.5 else complete_one  # streaming and not: a 503, never a 500
+            result = one(self.server, prompt, rng.randint(8, 48))
             with self.lock:
                 self.results.append(result)
 
@@ -141,6 +178,9 @@ def test_disaggregated_server_survives_stopped_and_killed_workers(no_leftovers):
               ("mvllm-prefill", signal.SIGSTOP), ("mvllm-decode", signal.SIGKILL)]
     recoveries = []
     with server:
+        ends = in_flight_when(server, lambda: os.kill(worker(server, "mvllm-decode"), signal.SIGKILL))
+        assert_retryable(ends)
+        wait_for(lambda: healthy(server) and serves(server), 120, "serving after the decode worker was killed")
         for i in range(30):  # before: 7 of 30 sequential requests stayed open until another request came
             r = stream_one(server, list(range(5, 25 + i)), 6)
             assert r["end"] == "done" and r["seconds"] < 20, (i, r)
@@ -169,7 +209,7 @@ def test_disaggregated_server_survives_stopped_and_killed_workers(no_leftovers):
         settled = wait_for(lambda: running_gauge(server) == 0, 10, "vllm:num_requests_running back to 0")
     assert server.returncode == 0, server.log()[-3000:]
     ends = [r["end"] for r in results]
-    assert set(ends) <= {"done", "error"}, ends
+    assert set(ends) <= {"done", "error", 503}, ends
     assert all(r["seconds"] < END_WITHIN for r in results), max(r["seconds"] for r in results)
     assert ends.count("done") > 0
     print(f"faults {len(faults)}, requests {len(results)}, errors {ends.count('error')}, "
@@ -213,10 +253,12 @@ def served_again(server) -> set:
 
 
 def test_tensor_parallel_server_rebuilds_after_a_dead_or_stopped_rank_and_never_answers_500(no_leftovers):
-    server = ServerProcess.minivllm("--model", "tiny-random", "--tensor-parallel-size", "2", "--num-blocks", "64",
+    server = ServerProcess.minivllm("--model", "tiny-random", "--tensor-parallel-size", "2", "--num-blocks", "256",
                                     "--collective-timeout", "10")
     with server:
         assert serves(server)
+        assert_retryable(in_flight_when(server, lambda: os.kill(worker(server, "mvllm-tp-rank1"), signal.SIGKILL)))
+        served_again(server)
         os.kill(worker(server, "mvllm-tp-rank1"), signal.SIGKILL)
         wait_for(lambda: not healthy(server), 30, "/health saying 503 after rank 1 died")
         served_again(server)

@@ -14,8 +14,9 @@ link that broke (the other side reports it), or a worker that leaves a
 heartbeat unanswered for longer than one transfer may take (twice
 ``kv_transfer_timeout``, the send then the ack, plus a step: stopped, or
 stuck) is restarted **automatically** under a new link epoch, without waiting for
-it: the requests it owned fail with ``finish_reason "error"`` and a
-message, new ones queue until the workers meet again, and the others go
+it: the requests it owned fail with ``finish_reason "error"``, a
+message and ``retryable`` (the server answers 503: the same request may
+succeed again), new ones queue until the workers meet again, and the others go
 on. The front never blocks on a worker: each worker's messages go out
 through a sender thread of its own, so a worker that stops reading cannot
 stall the front (or the server's loop above it).
@@ -210,7 +211,7 @@ class DisaggregatedEngine(LLMEngine):
         It does not wait for the new process: requests queue in the workers' pipes until they meet."""
         owned = "prefill" if role == PREFILL else "decode"
         for req in [r for r in self.requests.values() if r.stage == owned]:
-            self._fail(req, f"{reason}; the front restarted it")
+            self._fail(req, f"{reason}; the front restarted it", retryable=True)
         old, conn, outbox = self.procs[role], self.conns[role], self.outboxes[role]
         old.kill()  # a stopped process dies too (SIGKILL needs no cooperation)
         outbox.put(None)  # its sender thread leaves
@@ -279,18 +280,19 @@ class DisaggregatedEngine(LLMEngine):
     def _on_owned(self, role: int, req: FrontRequest) -> None:
         req.stage = "decode"
 
-    def _on_failed(self, role: int, req: FrontRequest, message: str) -> None:
-        self._fail(req, message)
+    def _on_failed(self, role: int, req: FrontRequest, message: str, retryable: bool = False) -> None:
+        self._fail(req, message, retryable)
 
-    def _fail(self, req: FrontRequest, message: str) -> None:
-        """End ``req`` with finish_reason "error" and ``message``; whatever a worker still has of it is aborted."""
+    def _fail(self, req: FrontRequest, message: str, retryable: bool = False) -> None:
+        """End ``req`` with finish_reason "error" and ``message``; whatever a worker still has of it is aborted.
+        ``retryable``: a worker or the link failed, not the request (the server answers 503)."""
         for role in (DECODE, PREFILL):
             self._send(role, ("abort", req.request_id))
         last = req.last.outputs[0] if req.last is not None else CompletionOutput(0, "", [])
         metrics = req.last.metrics if req.last is not None else RequestMetrics(req.arrival_time)
         self.num_failed_requests += 1
         self._deliver(req, RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [CompletionOutput(
-            0, last.text, list(last.token_ids), finish_reason="error")], True, metrics, message))
+            0, last.text, list(last.token_ids), finish_reason="error")], True, metrics, message, retryable))
 
     def _deliver(self, req: FrontRequest, out: RequestOutput) -> None:
         req.last = out

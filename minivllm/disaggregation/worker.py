@@ -267,7 +267,7 @@ class PrefillWorker(Worker):
         ack = self.handoff.transfer(rid, lambda: self.send(rid, header), lambda: release(self.engine, rid),
                                     errors.append)
         if errors:
-            self.conn.send(("failed", rid, self.failure(rid, errors[0])))
+            self.conn.send(("failed", rid, self.failure(rid, errors[0]), True))  # the link failed: retryable
         elif ack is not None:
             self.conn.send(("sent", rid, ack))
 

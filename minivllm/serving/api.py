@@ -22,7 +22,8 @@ from fastapi import Request
 
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.serving.async_llm import AsyncLLM, QueueFull, RequestFailed, RequestStream, ServerShuttingDown
+from minivllm.serving.async_llm import (AsyncLLM, EngineRestarting, QueueFull, RequestFailed, RequestStream,
+                                       ServerShuttingDown)
 from minivllm.serving.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, bad_request)
 from minivllm.serving.responses import DONE, ChatFormat, CompletionFormat, StreamState, sse
@@ -74,8 +75,8 @@ class OpenAIServing:
             raise bad_request(e, aliases) from None
         except QueueFull as e:
             raise APIError(429, str(e), None, "rate_limit_error", "queue_full") from None
-        except ServerShuttingDown as e:
-            raise APIError(503, str(e), None, "service_unavailable", "shutting_down") from None
+        except ServerShuttingDown as e:  # draining, or the engine is being restarted
+            raise stream_error(e) from None
 
     def chat_prompt(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
         """The token ids of the messages rendered with the model's chat template."""
@@ -134,7 +135,7 @@ class OpenAIServing:
             last = None
             async for last in stream:
                 if last.error:
-                    raise RequestFailed(last.error)
+                    raise failure(last)
                 choices = state.deltas(last)
                 if choices:
                     yield sse(state.chunk(choices))
@@ -170,7 +171,7 @@ class OpenAIServing:
         except (RequestFailed, ServerShuttingDown) as e:
             raise stream_error(e) from None
         if out.error:
-            raise APIError(500, f"the request failed in the engine: {out.error}", None, "internal_server_error")
+            raise stream_error(failure(out))
         return out
 
     def models(self) -> dict:
@@ -202,11 +203,21 @@ class OpenAIServing:
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
 
+def failure(out: RequestOutput) -> Exception:
+    """A failed output's error: the engine's (a worker died, its link broke: retry, a 503), or the request's own."""
+    if out.retryable:
+        return EngineRestarting(f"the request failed in the engine: {out.error}; retry shortly")
+    return RequestFailed(f"the request failed in the engine: {out.error}")
+
+
 def stream_error(e: Exception) -> APIError:
-    """The error a request gets when the server shut down under it (503), for bad input (400), or when the
-    engine loop (500, why) or the server itself (500, the exception's type) failed."""
+    """The error a request gets when the server shut down under it or its engine failed as a whole (503: retry),
+    for bad input (400), or when the engine loop or the request in it (500, why) or the server itself (500, the
+    exception's type) failed."""
     if isinstance(e, APIError):
         return e
+    if isinstance(e, EngineRestarting):
+        return APIError(503, str(e), None, "service_unavailable", "engine_restarting")
     if isinstance(e, ServerShuttingDown):
         return APIError(503, str(e), None, "service_unavailable", "shutting_down")
     if isinstance(e, ValueError):

@@ -22,8 +22,9 @@ extension point: exercise 13). The same ``LLMEngine`` code path serves
   flight (their streams raise :class:`RequestFailed`) and the loop goes on.
   An engine that can no longer step (``check_health`` raises
   :class:`~minivllm.distributed.WorkerError`: a tensor-parallel rank died) is
-  shut down and built again from the builder; meanwhile :attr:`is_alive` is
-  False (``/health`` answers 503) and new requests get :class:`EngineRestarting`.
+  shut down and built again from the builder; the requests in flight and new
+  ones meanwhile get :class:`EngineRestarting` (a 503: retry), and :attr:`is_alive` is
+  False (``/health`` answers 503).
 
 Give it a function that builds the engine rather than the engine, as the
 server does, and the loop thread builds it: then one thread does all the
@@ -219,7 +220,7 @@ class AsyncLLM:
                 self._once()
             except WorkerError as e:  # the engine cannot step any more: fail what is in flight, build it again
                 log.error("engine failed: %s", e)
-                self._end_all(RequestFailed(f"engine failed: {e}"))
+                self._end_all(EngineRestarting(f"engine failed: {e}; it is being restarted, retry shortly"))
                 self._restart_engine()
             except Exception as e:  # a bug outside any one request: fail what is in flight, keep serving
                 log.exception("engine loop failed; aborting the requests in flight")
