@@ -157,6 +157,11 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.check_health()
 
+    def is_ready(self) -> bool:
+        """Whether requests run now (the server's ``/health``); a disaggregated front says no while its workers form
+        their KV link again. Requests added meanwhile wait."""
+        return True
+
     def _max_model_len(self) -> int:
         limit = self.model.config.max_position_embeddings
         wanted = self.config.max_model_len

@@ -288,6 +288,67 @@ def test_a_request_aborted_after_it_finished_in_the_same_step_is_dropped_by_the_
     assert dropped not in worker.engine.requests
 
 
+class ForgedPeerLink:
+    """A KV link whose peer's fingerprint in the store was forged the first ``forged`` times it is read."""
+
+    def __init__(self, forged: int):
+        self.forged = forged
+
+    def handshake(self, fingerprint, timeout, check):
+        from minivllm.distributed.rendezvous import BadSignature
+
+        if self.forged:
+            self.forged -= 1
+            raise BadSignature("the value under 'epoch0/fingerprint1' is not signed by this launch: refused")
+
+
+def test_a_forged_fingerprint_is_refused_in_one_line_and_the_worker_waits_to_join_again(monkeypatch, capfd):
+    """Before: the handshake's BadSignature killed the worker with a traceback, and the front raised its "refused"
+    out of step(): the server's loop failed every request in flight."""
+    from minivllm.disaggregation import worker as workers
+
+    link = ForgedPeerLink(forged=1)
+    monkeypatch.setattr(workers.Worker, "meet", lambda self, epoch: epoch)  # the peer is there at once
+    monkeypatch.setattr(workers, "open_link", lambda port, role, epoch, *rest: link)
+    pipe = FrontPipe()
+    worker = workers.DecodeWorker(EngineConfig(model="tiny-random", num_blocks=64), pipe, 0, 0, 3.0, b"secret")
+    assert worker.link is None and [(m[0], m[2]) for m in pipe.sent] == [("relink", 0)]
+    assert "not signed by this launch" in pipe.sent[0][1]
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not signed by this launch" in err[0] and "forming the KV link again" in err[0], err
+    worker.handle(("join", 1))  # the front's answer: a new epoch, and this time the value is the peer's own
+    assert worker.link is link and pipe.sent[-1][:2] == ("ready", 1)
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_forged_transfer_header_is_refused_and_the_link_formed_again_keeping_every_request(tiny, reference):
+    """A header the decode worker refuses re-forms the link under a new epoch: no worker restarts, and a request
+    decoding meanwhile finishes with the tokens of one engine (before: the front restarted the prefill worker)."""
+    import torch.distributed as dist
+
+    engine = tiny.engine
+    pids, restarts, epoch, refusals = worker_pids(tiny), dict(engine.restarts), engine.epoch, engine.num_relinks
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    outs = drive(engine, "decoding", [9] * 20, params, lambda outs: len(outs) >= 3)  # the decode worker owns it
+    store = dist.PrefixStore(f"epoch{epoch}/", dist.TCPStore("127.0.0.1", engine.store.port, None, False))
+    for k in range(engine.worker_stats()["decode"]["transfers"] + 1):  # this epoch's next header among them
+        store.set(f"xfer/{k}", b"0" * 64 + b'\n{"request_id": "forged"}')
+    deadline = time.monotonic() + 60
+    while not outs[-1].finished:
+        assert time.monotonic() < deadline, "the request decoding did not finish"
+        outs += [o for o in engine.step() if o.request_id == "decoding"]
+    assert engine.num_relinks == refusals + 1 and engine.epoch > epoch
+    assert worker_pids(tiny) == pids and dict(engine.restarts) == restarts, "a worker was restarted"
+    want = reference.generate([[9] * 20], params, use_tqdm=False)[0].outputs[0]
+    assert (outs[-1].outputs[0].token_ids, outs[-1].outputs[0].finish_reason) == (want.token_ids, "length")
+    while not engine.is_ready():
+        engine.step()
+    prompts = chat_prompts(tiny.get_tokenizer(), 2)  # the new link carries transfers
+    assert [o.outputs[0].token_ids for o in tiny.generate(prompts, GREEDY, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY, use_tqdm=False)]
+    assert_clean(tiny)
+
+
 def test_refusals_name_the_field():
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         LLM("tiny-random", disaggregated=True, tensor_parallel_size=2)

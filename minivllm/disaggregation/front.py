@@ -17,7 +17,10 @@ stuck) is restarted **automatically** under a new link epoch, without waiting fo
 it: the requests it owned fail with ``finish_reason "error"``, a
 message and ``retryable`` (the server answers 503: the same request may
 succeed again), new ones queue until the workers meet again, and the others go
-on. The front never blocks on a worker: each worker's messages go out
+on. A value in the store that a worker refuses (not signed by this launch:
+forged, or an earlier epoch's) makes both workers form the link again under a
+new epoch, keeping their processes and requests; :meth:`is_ready` (the
+server's ``/health``) is False until the link is back. The front never blocks on a worker: each worker's messages go out
 through a sender thread of its own, so a worker that stops reading cannot
 stall the front (or the server's loop above it).
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 import datetime
 import os
 import queue
+import secrets
 import threading
 import time
 import weakref
@@ -54,6 +58,7 @@ START_TIMEOUT = 300.0  # seconds a worker may take to start (load its model) and
 STEP_WAIT = 0.05  # seconds a step waits for a worker's message when none is ready
 HEARTBEAT_S = 0.5  # a ready worker is asked for its stats this often; stall_limit() unanswered: stalled
 STEP_MARGIN_S = 2.0  # what a worker's own step may add to a transfer's waits before it counts as stalled
+EPOCH_STEP = 1 << 32  # link epochs grow by a random step up to this (see DisaggregatedEngine._next_epoch)
 
 
 @dataclass
@@ -84,7 +89,7 @@ class DisaggregatedEngine(LLMEngine):
         self.requests: dict[str, FrontRequest] = {}
         self._held, self._ready = [], []
         self.num_steps = self.num_failed_requests = 0
-        self.restarts, self.epoch = Counter(), 0
+        self.restarts, self.epoch = Counter(), secrets.randbelow(EPOCH_STEP)  # see _next_epoch
         worker = replace(config, disaggregated=False)
         self.worker_configs = {PREFILL: prefill_config or worker, DECODE: decode_config or worker}
         self.cores = cores
@@ -92,6 +97,8 @@ class DisaggregatedEngine(LLMEngine):
         self._asked = {role: [] for role in ROLES}  # when each unanswered stats request went out, oldest first
         self._sent, self._answered, self._last_ask = Counter(), Counter(), Counter()  # stats requests, per role
         self._started_at: dict[int, float] = {}
+        self.num_relinks = 0  # links formed again without a restart (a value in the store refused, a group dropped)
+        self._serving = False  # a worker's refusal (a KV layout mismatch) is the constructor's ValueError until then
         self.signer = Signer()  # this launch's secret: the workers sign and check what crosses the store
         self.store = loopback_store(None, datetime.timedelta(seconds=START_TIMEOUT))
         self._closed = False
@@ -106,6 +113,7 @@ class DisaggregatedEngine(LLMEngine):
         self.vocab_size = self.info[PREFILL]["vocab_size"]
         self.max_model_len = min(i["max_model_len"] for i in self.info.values())
         self.num_blocks = min(i["num_blocks"] for i in self.info.values())
+        self._serving = True
 
     def compile_decode_buckets(self) -> float:
         """Nothing to compile here: the decode worker compiles its buckets before it reports ready; 0.0."""
@@ -217,12 +225,32 @@ class DisaggregatedEngine(LLMEngine):
         outbox.put(None)  # its sender thread leaves
         stop_process(old, 0)
         conn.close()
-        self.epoch += 1
+        self._next_epoch()
         self._spawn(role)
         other = 1 - role
         self._send(other, ("join", self.epoch))  # even while it still meets its last peer: it moves on to this one
         self.info.setdefault(other, {})["epoch"], self._started_at[other] = None, time.monotonic()
         self.restarts[ROLES[role]] += 1
+
+    def _relink(self) -> None:
+        """A worker refused a value in the store (or its peer dropped the group that was forming): both form the link
+        again under a new epoch, without a restart. Their requests stay (a transfer under way on the broken link
+        fails); new ones wait for the link."""
+        self.num_relinks += 1
+        self._next_epoch()
+        for role in ROLES:
+            self._send(role, ("join", self.epoch))
+            self.info.setdefault(role, {})["epoch"], self._started_at[role] = None, time.monotonic()
+
+    def _next_epoch(self) -> None:
+        """A later epoch, by a random step: its keys in the store cannot be named, so nothing can be written there
+        before the workers meet (a forger who planted values for the next epochs would keep the link down after
+        it stopped)."""
+        self.epoch += 1 + secrets.randbelow(EPOCH_STEP)
+
+    def is_ready(self) -> bool:
+        """Both workers are in the current epoch's link (False while a worker restarts or the link is re-formed)."""
+        return not self._closed and all(self._ready_now(role) for role in ROLES)
 
     def _send(self, role: int, msg: tuple) -> None:
         """Queue ``msg`` for ``role``'s sender thread (never blocks; a dead worker's messages are dropped)."""
@@ -234,9 +262,12 @@ class DisaggregatedEngine(LLMEngine):
             self.info[role] = {**rest[1], "epoch": rest[0]}
             self._asked[role] = [time.monotonic() for _ in self._asked[role]]  # it was busy meeting its peer
         elif kind in ("refused", "error"):
-            if kind == "refused" and self.info.get(role, {}).get("epoch") is None:
+            if kind == "refused" and not self._serving:  # the workers' KV layouts differ: the constructor fails
                 raise ValueError(rest[0])
-            self.info.setdefault(role, {})["error"] = rest[0].strip().splitlines()[-1]
+            self.info.setdefault(role, {})["error"] = rest[0].strip().splitlines()[-1]  # it died: restarted
+        elif kind == "relink":
+            if rest[1] == self.epoch:  # an earlier epoch's link is already replaced
+                self._relink()
         elif kind == "stats":
             self._stats[role] = rest[0]
             self._answered[role] += 1

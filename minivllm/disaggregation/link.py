@@ -12,7 +12,9 @@ under ``xfer/<k>``, which the decode worker polls for between its steps (a
 gloo receive cannot be polled). Both are JSON signed with the launch's
 secret (:class:`~minivllm.distributed.rendezvous.Signer`): the store is a
 socket, so nothing read from it is unpickled, and a value this launch did
-not sign is refused. What is large, the prompt's KV (:func:`minivllm.kv_transfer.kv_bytes`
+not sign (forged, or an earlier epoch's) is refused: :class:`BadSignature`,
+which the worker reports in one line before both sides form the link again
+under a new epoch. What is large, the prompt's KV (:func:`minivllm.kv_transfer.kv_bytes`
 of it), goes over the group as one tensor, and the decode worker answers
 over the group with one integer: :data:`ACK_OWNED` (it holds the copy now)
 or :data:`ACK_EMPTY` (the request was aborted; nothing kept). Every wait is
@@ -34,7 +36,8 @@ import torch.distributed as dist
 from minivllm.distributed.rendezvous import LOOPBACK, BadSignature, Signer, gloo_device
 from minivllm.kv_transfer import check_fingerprints
 
-__all__ = ["PREFILL", "DECODE", "ACK_OWNED", "ACK_EMPTY", "LinkError", "KVLink", "open_link", "presence_store"]
+__all__ = ["PREFILL", "DECODE", "ACK_OWNED", "ACK_EMPTY", "LinkError", "BadSignature", "KVLink", "open_link",
+           "presence_store"]
 
 PREFILL, DECODE = 0, 1  # ranks
 ACK_OWNED, ACK_EMPTY = 1, 0
@@ -101,16 +104,15 @@ class KVLink:
         return int(ack)
 
     def poll_kv(self) -> tuple[int, dict, torch.Tensor] | None:
-        """Decode side: the next transfer (its index, header and KV), or None if none was posted yet."""
+        """Decode side: the next transfer (its index, header and KV), or None if none was posted yet.
+
+        A header this launch did not sign raises :class:`BadSignature` (the link cannot be trusted any more)."""
         k = self.next_key
         if not self.store.check([f"xfer/{k}"]):
             return None
         data = self.store.get(f"xfer/{k}")
         self.store.delete_key(f"xfer/{k}")
-        try:
-            header = self.signer.unpack(self._signed(f"xfer/{k}"), data)
-        except BadSignature as e:  # not this launch's: the link cannot be trusted any more
-            raise LinkError(f"KV link epoch {self.epoch}: {e}") from None
+        header = self.signer.unpack(self._signed(f"xfer/{k}"), data)  # BadSignature: the link is formed again
         self.next_key += 1
         kv = torch.empty(header["shape"], dtype=getattr(torch, header["dtype"]))
         self._wait(lambda: self.group.recv([kv], PREFILL, k), "receiving the KV")

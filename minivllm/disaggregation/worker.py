@@ -22,6 +22,12 @@ stats, join a new epoch, shutdown), its engine's step, and transfers.
   KV that finds no free blocks waits in host memory (owned, acknowledged)
   and is admitted when blocks free up.
 
+A value in the store without this launch's signature (a forged fingerprint
+or header, or an earlier epoch's) is refused: the worker logs one line, drops
+its link and tells the front, which has both workers form it again under a
+new epoch; no process restarts and no request is lost but a transfer that was
+under way on the broken link.
+
 Every message to the front is a tuple ``(kind, ...)``; a worker leaves when
 the front's process is gone.
 """
@@ -39,7 +45,8 @@ import torch
 
 from minivllm.config import EngineConfig, resolve, resolve_function
 from minivllm.disaggregation.handoff import KVHandoff
-from minivllm.disaggregation.link import ACK_EMPTY, ACK_OWNED, DECODE, PREFILL, LinkError, open_link, presence_store
+from minivllm.disaggregation.link import (ACK_EMPTY, ACK_OWNED, DECODE, PREFILL, BadSignature, LinkError, open_link,
+                                          presence_store)
 from minivllm.distributed.workers import name_process, watch_parent
 from minivllm.engine import LLMEngine
 from minivllm.kv_transfer import (first_delta, fingerprint, generator_state, held, holding_scheduler, params_from_json,
@@ -65,7 +72,7 @@ def worker_main(role: int, port: int, epoch: int, config: EngineConfig, conn, th
         cls = PrefillWorker if role == PREFILL else DecodeWorker
         cls(config, conn, port, epoch, timeout, secret).run()
     except BaseException as e:
-        kind = "refused" if isinstance(e, ValueError) else "error"
+        kind = "refused" if isinstance(e, ValueError) and not isinstance(e, BadSignature) else "error"
         print(f"minivllm {cls_name(role)} worker:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         try:
             conn.send((kind, str(e) if kind == "refused" else traceback.format_exc()))
@@ -95,6 +102,7 @@ class Worker:
         self.faults: dict[str, float] = {}  # fault point -> seconds to sleep there (-1: die there)
         self.running = True
         self.deferred: deque = deque()  # the front's messages that came while this worker waited for its peer
+        self.retired = None  # a link refused in its handshake, kept until the next one forms (see join)
         self.join(epoch)
 
     def engine_config(self, config: EngineConfig) -> EngineConfig:
@@ -106,10 +114,27 @@ class Worker:
             self.past.update({k: self.link.counters()[k] for k in COUNTERS})
         self.link = None
         epoch = self.meet(epoch)
-        link = open_link(self.port, self.role, epoch, JOIN_TIMEOUT, self.timeout, self.secret)
-        link.handshake(fingerprint(self.engine), JOIN_TIMEOUT, self.handoff.check_fingerprints)
+        try:
+            link = open_link(self.port, self.role, epoch, JOIN_TIMEOUT, self.timeout, self.secret)
+        except RuntimeError as e:  # the peer dropped the group while it formed (it refused a value, moved on)
+            return self.relink(f"the KV link could not be formed ({str(e).splitlines()[0][:200]})", epoch)
+        self.retired = None  # the peer has left that link's group for this one
+        try:
+            link.handshake(fingerprint(self.engine), JOIN_TIMEOUT, self.handoff.check_fingerprints)
+        except BadSignature as e:
+            self.retired = link  # dropped now, its group could cut the peer's connection while it is still forming
+            return self.relink(str(e), epoch)
         self.link = link
         self.conn.send(("ready", epoch, self.info()))
+
+    def relink(self, reason: str, epoch: int) -> None:
+        """This epoch's link cannot be used: a value in the store this launch did not sign (forged, or an earlier
+        epoch's), or a group the peer dropped. One line in the log, no link, and the front is told, so that both
+        workers form the link again under a new epoch (their processes and requests kept)."""
+        self.link = None
+        print(f"minivllm {cls_name(self.role)} worker: {reason}; forming the KV link again (epoch {epoch})",
+              file=sys.stderr, flush=True)
+        self.conn.send(("relink", reason, epoch))
 
     def meet(self, epoch: int) -> int:
         """Wait until epoch ``epoch``'s peer is there (bounded); a newer "join" meanwhile moves to its epoch.
@@ -312,6 +337,8 @@ class DecodeWorker(Worker):
     def work(self) -> None:
         try:
             self.receive()
+        except BadSignature as e:  # a forged header: no request is lost, the link is formed again
+            return self.relink(str(e), self.link.epoch)
         except LinkError as e:
             epoch, self.link = self.link.epoch, None
             self.conn.send(("link_down", str(e), epoch))

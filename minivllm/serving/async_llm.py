@@ -142,8 +142,9 @@ class AsyncLLM:
 
     @property
     def is_alive(self) -> bool:
-        """Whether the loop thread runs and its engine can step (``/health``)."""
-        return self._thread.is_alive() and self._healthy
+        """Whether the loop thread runs and its engine can step now (``/health``; ``LLMEngine.is_ready``: a
+        disaggregated engine's link is up)."""
+        return self._thread.is_alive() and self._healthy and self.engine.is_ready()
 
     # -- the caller's side (the event loop) ------------------------------------------------------------
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
