@@ -1,8 +1,10 @@
 """``python -m minivllm.exercises status``: every part unwritten on a fresh checkout, all passing with the solutions."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,3 +72,38 @@ def test_the_solutions_pass_their_checks_through_the_status_command(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     chosen = [p for p in PARTS if p.chapter in chapters]
     assert len(chosen) >= 6 and result.stdout.count(" passes") == len(chosen), result.stdout
+
+
+@pytest.mark.parametrize("how", ["import sys\nsys.exit(0)\n", "raise KeyboardInterrupt\n", "raise SystemExit('bye')\n"],
+                         ids=["sys.exit(0)", "KeyboardInterrupt", "SystemExit('bye')"])
+def test_a_part_that_stops_the_program_at_import_is_that_parts_failure(tmp_path, how):
+    """Before: sys.exit(0) at import ended the command with exit 0 and nothing printed (it caught Exception only),
+    and a KeyboardInterrupt escaped as a traceback."""
+    write_parts(ROOT / "solutions", tmp_path)
+    stopping, other = PARTS[2], PARTS[3]  # chapter 03's two parts: one stops the program, the other loads
+    path = tmp_path / "your_engine" / f"{stopping.module}.py"
+    path.write_text(how + path.read_text())
+    result = run_status(tmp_path, "--chapters", "03", "--no-checks")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert f"{stopping.what:38} fails " in lines[0] and "does not load" in lines[0], result.stdout
+    assert ("SystemExit" if "exit" in how.lower() else "KeyboardInterrupt") in lines[0], lines[0]
+    assert f"{other.what:38} written" in lines[1] and "2 of 2 parts written" in lines[2], result.stdout
+
+
+def test_ctrl_c_still_stops_the_command(tmp_path):
+    write_parts(ROOT / "solutions", tmp_path)
+    path, marker = tmp_path / "your_engine" / f"{PARTS[2].module}.py", tmp_path / "loading"
+    path.write_text(f"import pathlib, time\npathlib.Path({str(marker)!r}).touch()\ntime.sleep(60)\n" + path.read_text())
+    proc = subprocess.Popen([sys.executable, "-m", "minivllm.exercises", "status", str(tmp_path), "--chapters", "03",
+                             "--no-checks"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # the user's Ctrl-C while the part loads
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err and "parts written" not in out, (out, err)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -98,15 +99,49 @@ def stubs(obj) -> list[str]:
             for n, f in members if callable(f) and f'NotImplementedError("{NOT_WRITTEN}' in _source(f)]
 
 
+class CtrlC(KeyboardInterrupt):
+    """Ctrl-C pressed while a part loads or is checked: it stops the command, as Ctrl-C does."""
+
+
+@contextlib.contextmanager
+def _ctrl_c_stops_the_command():
+    """Ctrl-C raises :class:`CtrlC` meanwhile, so that a KeyboardInterrupt a part raises itself is told apart."""
+    def pressed(signum, frame):
+        raise CtrlC
+
+    try:
+        previous = signal.signal(signal.SIGINT, pressed)
+    except ValueError:  # not the main thread, where Ctrl-C never lands
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _stopped(e: BaseException) -> str:
+    """How a part failed, for its line; a Ctrl-C the user pressed is not the part's: it goes on up."""
+    if isinstance(e, CtrlC):
+        raise KeyboardInterrupt from None
+    return "" if isinstance(e, Exception) else " (a part must not stop the program)"
+
+
 def part_status(part: Part, parts_dir: Path = PARTS_DIR, run_check: bool = True) -> tuple[str, str]:
-    """``(state, detail)``: state is "missing", "not written", "fails" or "passes"."""
+    """``(state, detail)``: state is "missing", "not written", "fails" or "passes". Any way the part's code stops
+    (an exception, ``sys.exit``, a KeyboardInterrupt it raises) is its failure; Ctrl-C still stops the command."""
+    with _ctrl_c_stops_the_command():
+        return _part_status(part, parts_dir, run_check)
+
+
+def _part_status(part: Part, parts_dir: Path, run_check: bool) -> tuple[str, str]:
     path = Path(parts_dir) / f"{part.module}.py"
     if not path.exists():
         return "missing", f"{path} does not exist: run exercise {part.chapter}'s %%writefile cell"
     try:
         obj = load_part(part.module, part.name, parts_dir)
-    except Exception as e:  # a syntax error, a missing name: the reader's file, reported
-        return "fails", f"{path} does not load: {type(e).__name__}: {e}"
+    except BaseException as e:  # a syntax error, a missing name, sys.exit: the reader's file, reported
+        return "fails", f"{path} does not load: {type(e).__name__}: {e}{_stopped(e)}"
     left = stubs(obj)
     if left:
         return "not written", f"{NOT_WRITTEN}: {', '.join(left)}"
@@ -115,8 +150,8 @@ def part_status(part: Part, parts_dir: Path = PARTS_DIR, run_check: bool = True)
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the check's own success lines
             part.check(obj)
-    except Exception as e:  # AssertionError names the mistake; anything else is the reader's code failing
-        message = str(e).strip().split("\n")[0] or type(e).__name__
+    except BaseException as e:  # AssertionError names the mistake; anything else is the reader's code failing
+        message = (str(e).strip().split("\n")[0] or type(e).__name__) + _stopped(e)
         return "fails", message if isinstance(e, AssertionError) else f"{type(e).__name__}: {message}"
     return "passes", ""
 
