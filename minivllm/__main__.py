@@ -26,7 +26,7 @@ from minivllm.bench import (WORKLOADS, speculative_main, check_workload_sizes, f
 from minivllm.bench.cli import (add_chunked_prefill_flag, add_compile_flags, add_min_max, block_size_int,
                                 check_token_budget, chunked_prefill_options, device_name, nonneg_finite_float,
                                 nonneg_int, positive_finite_float, positive_int, probability, server_url, top_k_int,
-                                writable_file)
+                                unicode_text, writable_file)
 from minivllm.bench.online import BACKENDS, run_online, served_model
 from minivllm.bench.peers import (ALIASES, COMPARE_PEERS, PeerMissing, batch1_tpot, peer_installed, peer_table,
                                   run_peer)
@@ -365,9 +365,9 @@ def main(argv=None) -> int:
 
     g = sub.add_parser("generate", help="stream a reply from the model", description=(
                        "Stream a chat reply to PROMPT from the model (the chat template is applied unless --raw)."))
-    g.add_argument("prompt")
+    g.add_argument("prompt", type=unicode_text)
     g.add_argument("--model", default="smollm2-135m", help="smollm2-135m (embedded), tiny-random, an HF repo id or folder")
-    g.add_argument("--system", default=None, help="a system message")
+    g.add_argument("--system", type=unicode_text, default=None, help="a system message")
     g.add_argument("--raw", action="store_true", help="send the prompt as it is, without the chat template")
     g.add_argument("--max-tokens", type=positive_int, default=128)
     g.add_argument("--temperature", type=nonneg_finite_float, default=0.0, help="0 = greedy")

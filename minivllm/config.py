@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import reprlib
 from dataclasses import dataclass, fields
 
 import torch
@@ -23,7 +25,29 @@ def default_device() -> torch.device:
 def check(ok: bool, field: str, allowed: str, value) -> None:
     """Refuse a bad value with a ValueError that names the field and what it may be."""
     if not ok:
-        raise ValueError(f"{field} must be {allowed}, got {value!r}")
+        raise ValueError(f"{field} must be {allowed}, got {shown(value)}")
+
+
+_SHOWN = reprlib.Repr()
+for _name, _most in dict(maxlevel=4, maxtuple=20, maxlist=20, maxarray=20, maxdict=10, maxset=10, maxfrozenset=10,
+                         maxdeque=10, maxstring=200, maxlong=60, maxother=200).items():
+    setattr(_SHOWN, _name, _most)
+
+
+def shown(value) -> str:
+    """A value as an error message shows it: its repr, cut short (a 4 MB list, a dict 5,000 deep never echo back)."""
+    return _SHOWN.repr(value)
+
+
+def is_text(value) -> bool:
+    """A string any tokenizer and UTF-8 encoder takes: no lone UTF-16 surrogate (``"\\ud800"``)."""
+    if not isinstance(value, str):
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 DEFAULT_MAX_NUM_SEQS = 64  # measured on a 2-core CPU (see EngineConfig)
@@ -239,12 +263,12 @@ class EngineConfig:
 
     def _check_extension_points(self) -> None:
         """Every class extension point resolves to a class, ``shard_weight`` and ``kv_handoff_cls`` to None or a
-        callable."""
+        callable that takes the arguments it is called with."""
         for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer",
                      "offload_tier_cls", "graph_runner_cls", "spec_acceptor_cls"):
             resolve(getattr(self, name), name)
-        resolve_function(self.shard_weight, "shard_weight")
-        resolve_function(self.kv_handoff_cls, "kv_handoff_cls")
+        resolve_function(self.shard_weight, "shard_weight", ("name", "weight", "rank", "world", "config"))
+        resolve_function(self.kv_handoff_cls, "kv_handoff_cls", ())
 
     def _check_disaggregated(self) -> None:
         """Prefill and decode in two worker processes (chapter 16): one rank each, a positive ack timeout."""
@@ -350,11 +374,24 @@ def resolve(obj: type | str, field: str = "class") -> type:
     return obj
 
 
-def resolve_function(obj, field: str):
-    """An optional function extension point: None, a function, or its dotted name (as :func:`resolve` for classes)."""
+def resolve_function(obj, field: str, args: tuple[str, ...] | None = None):
+    """An optional function extension point: None, a function, or its dotted name (as :func:`resolve` for classes).
+
+    ``args``: the arguments it is called with. A function that cannot take them (``os.system`` as a
+    ``shard_weight``) is refused here, naming the field, rather than failing when it is first called."""
     what = "None, a function or an importable dotted name"
     obj = _import(obj, field, what)
     check(obj is None or callable(obj), field, what, obj)
+    if obj is not None and args is not None:
+        try:
+            signature = inspect.signature(obj)
+        except (TypeError, ValueError):  # a builtin without one: nothing to check before it is called
+            return obj
+        try:
+            signature.bind(*args)
+        except TypeError:
+            raise ValueError(f"{field} must take the arguments it is called with, {field}({', '.join(args)}); got "
+                             f"{shown(obj)}, which takes {signature}") from None
     return obj
 
 

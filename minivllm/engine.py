@@ -33,8 +33,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from minivllm.attention import GATHER, PagedKVCache
-from minivllm.config import (EngineConfig, check, cpu_pool_blocks, free_memory_bytes, is_int, is_number, resolve,
-                             resolve_function)
+from minivllm.config import (EngineConfig, check, cpu_pool_blocks, free_memory_bytes, is_int, is_number, is_text,
+                             resolve, resolve_function, shown)
 from minivllm.detokenizer import OutputText
 from minivllm.distributed import TensorParallelRunner, WorkerError, start_workers
 from minivllm.model_runner import ModelRunner
@@ -194,12 +194,25 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
     def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """A prompt in one of vLLM's forms (text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``)."""
+        """A prompt in one of vLLM's forms (text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``).
+
+        Text must be valid Unicode (a lone UTF-16 surrogate is refused before the tokenizer sees it); a dict's
+        value must be of its key's kind (text under "prompt", token ids under "prompt_token_ids")."""
         if isinstance(prompt, dict):
             check(len(prompt) == 1 and set(prompt) <= {"prompt", "prompt_token_ids"}, "prompt",
                   'a dict with one key, "prompt" (text) or "prompt_token_ids"', prompt)
-            return self.parse_prompt(prompt.get("prompt", prompt.get("prompt_token_ids")))
+            ((key, prompt),) = prompt.items()
+            if key == "prompt":
+                check(isinstance(prompt, str), "prompt", 'text under "prompt" (token ids go under "prompt_token_ids")',
+                      prompt)
+            else:
+                check(isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt), "prompt_token_ids",
+                      'a list of token ids (text goes under "prompt")', prompt)
         if isinstance(prompt, str):
+            if not is_text(prompt):
+                at = next(i for i, c in enumerate(prompt) if "\ud800" <= c <= "\udfff")
+                raise ValueError(f"prompt must be valid Unicode text, but it holds a lone UTF-16 surrogate "
+                                 f"({shown(prompt[at])} at character {at})")
             return prompt, self.tokenizer(prompt)["input_ids"]
         check(isinstance(prompt, (list, tuple)) and all(is_int(t) for t in prompt), "prompt",
               'a string, a list of token ids, {"prompt": str} or {"prompt_token_ids": list}', prompt)

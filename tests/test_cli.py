@@ -102,6 +102,8 @@ MAIN_CASES = [  # (argv, the flag the message names, words of the allowed range)
     (["generate", "Hi", "--model", "tiny-random", "--seed", "-1"], "--seed", ">= 0"),
     (["generate", "Hi", "--model", "tiny-random", "--seed", "99999999999999999999"], "--seed", "2**63 - 1"),
     (["generate", "", "--model", "tiny-random", "--raw"], "argument prompt", "must not be empty"),
+    (["generate", "a\udcffb", "--model", "tiny-random"], "argument prompt", "valid UTF-8"),  # was a traceback
+    (["generate", "Hi", "--system", "\udcff", "--model", "tiny-random"], "--system", "valid UTF-8"),
     (["generate", "Hi", "--model", "no-such-model"], "--model", "cannot load 'no-such-model'"),
     (BENCH[:-1] + ["no-such-model"], "--model", "cannot load 'no-such-model'"),
 ]
@@ -253,6 +255,11 @@ SERVE_CASES = [  # (argv, the flag the message names, words of the allowed range
     (["--num-blocks", "many"], "--num-blocks", "invalid int"),
     (["--num-blocks", "1", "--block-size", "1"], "--num-blocks", "at least 2"),  # no request could ever run
     (["--max-request-bytes", "0"], "--max-request-bytes", ">= 1"),
+    (["--read-timeout", "0"], "--read-timeout", "> 0"),
+    (["--read-timeout", "inf"], "--read-timeout", "> 0"),
+    (["--shard-weight", "os.system", "--tensor-parallel-size", "2"], "--shard-weight",  # was a traceback at load
+     "shard_weight(name, weight, rank, world, config)"),
+    (["--kv-handoff-cls", "os.system", "--disaggregated"], "--kv-handoff-cls", "kv_handoff_cls()"),
     (["--model", "no-such-model"], "--model", "cannot load 'no-such-model'"),
 ]
 
@@ -359,6 +366,17 @@ def test_the_command_line_reports_a_refusal_in_one_line_without_a_traceback():
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert "error: argument --max-tokens:" in done.stderr.splitlines()[-1]
+
+
+def test_a_prompt_argument_that_is_not_utf8_is_a_usage_error_without_a_traceback():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable.encode(), b"-m", b"minivllm", b"generate", b"caf\xe9", b"--model",
+                           b"tiny-random"], capture_output=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    err = done.stderr.decode(errors="replace")
+    assert done.returncode == 2 and "Traceback" not in err, err  # before: the tokenizer's TypeError, exit 1
+    assert "error: argument prompt: must be valid UTF-8 text" in err.splitlines()[-1], err
 
 
 def test_bench_against_a_server_that_is_not_there_is_one_line_and_exit_1(capsys):

@@ -282,6 +282,31 @@ def test_other_prompt_forms_are_refused(llm, prompts):
     assert not llm.engine.has_unfinished_requests()
 
 
+def nested(depth: int) -> dict:
+    prompt = {"prompt": "x"}
+    for _ in range(depth):
+        prompt = {"prompt": prompt}
+    return prompt
+
+
+@pytest.mark.parametrize("prompt, field, words", [
+    ("a\ud800b", "prompt", "lone UTF-16 surrogate"),  # before: the tokenizer's TypeError
+    ({"prompt": "\udcff"}, "prompt", "lone UTF-16 surrogate"),
+    ({"prompt_token_ids": "abc"}, "prompt_token_ids", "list of token ids"),  # before: accepted as text
+    ({"prompt": [1, 2, 3]}, "prompt", "text under"),  # before: accepted as token ids
+    (nested(3), "prompt", "text under"),  # before: accepted, the inner dict parsed in turn
+    (nested(5000), "prompt", "text under"),  # before: RecursionError
+    ([nested(5000)], "prompt", ""),  # generate: a list of one prompt; add_request: not a list of token ids
+], ids=["surrogate", "surrogate-in-dict", "ids-as-text", "text-as-ids", "nested", "nested-5000", "nested-in-list"])
+def test_a_prompt_of_the_wrong_kind_is_a_value_error_naming_its_field(llm, prompt, field, words):
+    for call in (lambda: llm.generate(prompt, greedy(2), use_tqdm=False),
+                 lambda: llm.engine.add_request("bad-prompt", prompt, greedy(2))):
+        with pytest.raises(ValueError, match=rf"^{field} must .*{words}") as refused:
+            call()
+        assert len(str(refused.value)) < 300  # the prompt is not echoed back whole
+    assert not llm.engine.has_unfinished_requests()
+
+
 # -- 7. the smaller ones -------------------------------------------------------------------------
 def test_prefix_cache_hit_rate_stays_a_rate_after_recompute():
     llm = LLM("tiny-random", block_size=4, num_blocks=12, max_num_seqs=3, enable_prefix_caching=True, **TINY)

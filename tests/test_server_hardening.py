@@ -9,6 +9,7 @@ last tests run the app in this process to break it on purpose mid-stream.
 """
 
 import json
+import socket
 import threading
 import time
 
@@ -22,12 +23,13 @@ from helpers import stop_completed_by_last_token
 from serving_helpers import sse_events
 
 LIMIT = 2_000_000
+READ_TIMEOUT = 3  # seconds for a request's head, then as many for its body
 
 
 @pytest.fixture(scope="module")
 def server():
     with ServerProcess.minivllm("--model", "tiny-random", "--num-blocks", "256", "--max-request-bytes",
-                                str(LIMIT)) as s:
+                                str(LIMIT), "--read-timeout", str(READ_TIMEOUT)) as s:
         yield s
     assert s.returncode == 0, s.log()[-3000:]
     assert "Traceback" not in s.log(), s.log()[-3000:]
@@ -162,6 +164,39 @@ def test_stop_lists_past_the_limits_are_a_400_naming_the_field(server):
     for field, value in [("stop", most), ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS)))]:  # the largest
         r = post(server, "/v1/completions", {**base, field: value})
         assert r.status_code == 200, r.text[:300]
+
+
+def until_closed(sock: socket.socket) -> tuple[bytes, float]:
+    """Everything the server sends on ``sock`` until it closes it, and how long that took (bounded)."""
+    start, data = time.monotonic(), b""
+    sock.settimeout(30)
+    while chunk := sock.recv(65536):
+        data += chunk
+    return data, time.monotonic() - start
+
+
+def test_half_sent_requests_are_timed_out_and_others_are_served_meanwhile(server):
+    """Before: uvicorn times a body out never, a head only between requests: half a request held its connection
+    (and the buffers behind it) for as long as the client liked."""
+    body = json.dumps({"prompt": [11, 12, 13], "max_tokens": 2}).encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    halves = [head + body[:10], head[:30], b""]  # half a body, half a head, nothing at all
+    socks = [socket.create_connection(("127.0.0.1", server.port)) for _ in halves]
+    for sock, half in zip(socks, halves):
+        sock.sendall(half)
+    served = post(server, "/v1/completions", {"prompt": [11, 12, 13], "max_tokens": 2})  # meanwhile: served
+    assert served.status_code == 200, served.text
+    (answer, _), (nothing, _), (empty, _) = (until_closed(s) for s in socks)  # each closed, well before 30 s
+    assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in answer, answer
+    assert b"--read-timeout" in answer and nothing == empty == b""
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:  # slow but steady, within the time: served
+        whole = head.replace(b"Host: x", b"Host: x\r\nConnection: close") + body
+        for i in range(0, len(whole), 16):
+            slow.sendall(whole[i:i + 16])
+            time.sleep(0.02)
+        answer, _ = until_closed(slow)
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
 
 
 # -- in this process: the app over a real engine, with a part broken on purpose ------------------------------

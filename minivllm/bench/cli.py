@@ -11,7 +11,7 @@ import sys
 from minivllm import LLM
 from minivllm.bench.trace import replay, warm_up
 from minivllm.bench.workloads import _blocks_for
-from minivllm.config import available_devices
+from minivllm.config import available_devices, is_text, shown
 
 __all__ = ["positive_int", "nonneg_int", "block_size_int", "top_k_int", "positive_finite_float", "nonneg_finite_float",
            "probability", "watermark_fraction", "device_name", "server_url", "writable_file", "MinMax", "add_min_max",
@@ -52,6 +52,13 @@ positive_finite_float = _float_type("a finite number > 0", lambda v: v > 0)
 nonneg_finite_float = _float_type("a finite number >= 0", lambda v: v >= 0)
 probability = _float_type("a number in (0, 1]", lambda v: 0 < v <= 1)  # also a share, e.g. of the KV demand
 watermark_fraction = _float_type("a number in [0, 1)", lambda v: 0 <= v < 1)
+
+
+def unicode_text(text: str) -> str:
+    """Text a tokenizer takes: an argument with bytes that are not UTF-8 (Python gives them as lone surrogates)."""
+    if not is_text(text):
+        raise argparse.ArgumentTypeError(f"must be valid UTF-8 text, got bytes that are not ({shown(text)})")
+    return text
 
 
 def device_name(text: str) -> str:

@@ -5,11 +5,13 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 A malformed body, a wrong type or an unknown field is a 400 naming the
 parameter (FastAPI's own answer would be a 422 in its own shape), and so is a
 ``ValueError`` from any handler. A body over ``max_request_bytes`` is a 413,
-refused before anything parses it (:class:`BodyLimit`).
+refused before anything parses it, and one not all there within
+``read_timeout_s`` is a 408 (:class:`BodyLimit`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from contextlib import asynccontextmanager
 
@@ -23,43 +25,52 @@ from minivllm.serving.metrics import CONTENT_TYPE, ServerMetrics
 from minivllm.serving.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        TokenizeRequest, bad_request)
 
-__all__ = ["build_app", "validation_error", "BodyLimit", "DEFAULT_MAX_REQUEST_BYTES"]
+__all__ = ["build_app", "validation_error", "BodyLimit", "DEFAULT_MAX_REQUEST_BYTES", "DEFAULT_READ_TIMEOUT_S"]
 
 log = logging.getLogger("minivllm.serving")
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # 4 MiB: a 128k-token prompt as token ids is about 1 MiB
+DEFAULT_READ_TIMEOUT_S = 30.0  # a request's head, then its body: 4 MiB in 30 s is about 1 Mbit/s
 DRAIN_LIMIT_BYTES = 64 << 20  # an over-limit body is read (and dropped) up to this, so the client sees the 413
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` gets a 413 before any handler reads or parses it.
+    """ASGI middleware: a request body over ``max_bytes`` gets a 413 before any handler reads or parses it, and one
+    not all there within ``timeout_s`` seconds of the request's start gets a 408.
 
     A ``Content-Length`` over the limit is refused without keeping a byte; a
     chunked body is counted as it comes and refused when it passes the limit.
-    Either way the rest is read and dropped (up to ``DRAIN_LIMIT_BYTES``) so
-    that a client still sending gets the 413 rather than a reset connection.
-    A body within the limit is handed on whole.
+    Either way the rest is read and dropped (up to ``DRAIN_LIMIT_BYTES``, within
+    the same time) so that a client still sending gets the 413 rather than a
+    reset connection. A body within the limit is handed on whole. Without the
+    timeout a client that sends half a body and then nothing holds its
+    connection and its buffers forever (uvicorn never times a body out).
     """
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_s: float = DEFAULT_READ_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             more = headers.get(b"expect", b"").lower() != b"100-continue"  # else the body is not even sent
-            return await self.refuse(scope, receive, send, more)
+            return await self.refuse(scope, receive, send, more, deadline)
         chunks, size, more = [], 0, True
         while more:
-            message = await receive()
+            message = await self.next_part(receive, deadline)
+            if message is None:
+                return await error_response(APIError(
+                    408, f"the request body did not arrive within {self.timeout_s:g} s (serve --read-timeout)",
+                    None, "invalid_request_error", "request_timeout"), {"connection": "close"})(scope, receive, send)
             if message["type"] != "http.request":
                 return  # the client went away before its body was complete
             chunks.append(message.get("body", b""))
             size, more = size + len(chunks[-1]), message.get("more_body", False)
             if size > self.max_bytes:
-                return await self.refuse(scope, receive, send, more)
+                return await self.refuse(scope, receive, send, more, deadline)
         whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         async def replay():
@@ -69,10 +80,20 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def refuse(self, scope, receive, send, more: bool) -> None:
+    @staticmethod
+    async def next_part(receive, deadline: float):
+        """The next message of the body, or None once the deadline (the loop's clock) has passed."""
+        try:
+            return await asyncio.wait_for(receive(), max(0.0, deadline - asyncio.get_running_loop().time()))
+        except asyncio.TimeoutError:
+            return None
+
+    async def refuse(self, scope, receive, send, more: bool, deadline: float) -> None:
         dropped = 0
         while more and dropped < DRAIN_LIMIT_BYTES:
-            message = await receive()
+            message = await self.next_part(receive, deadline)
+            if message is None:
+                break  # the 413 goes out now, and the connection is closed after it
             dropped += len(message.get("body", b""))
             more = message["type"] == "http.request" and message.get("more_body", False)
         error = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes "
@@ -85,7 +106,8 @@ def error_response(error: APIError, headers=None) -> JSONResponse:
 
 
 def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              read_timeout_s: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
     """The server's app; its lifespan stops the engine loop when the server exits."""
     @asynccontextmanager
     async def lifespan(app):
@@ -94,7 +116,7 @@ def build_app(serving: OpenAIServing, metrics: ServerMetrics | None = None,
 
     app = FastAPI(title="minivllm", lifespan=lifespan)
     app.state.serving = serving
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes, timeout_s=read_timeout_s)
     _add_error_handlers(app)
 
     @app.post("/v1/completions")

@@ -5,7 +5,8 @@ a new flag. Bad values are refused as usage errors naming the flag before any
 model loads (and a value only the loaded model refutes, such as a longer
 ``--max-model-len``, before the port opens). The port is bound before the
 model loads, so a port in use is refused at once; uvicorn listens on it once
-the engine is warm. SIGTERM (or Ctrl-C) stops accepting requests, lets the
+the engine is warm. A request must arrive within ``--read-timeout`` seconds:
+its head (or the connection is closed) and then its body (or a 408). SIGTERM (or Ctrl-C) stops accepting requests, lets the
 ones in flight finish for ``--shutdown-grace`` seconds, aborts the rest, and
 exits 0.
 """
@@ -13,6 +14,7 @@ exits 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import signal
@@ -22,18 +24,19 @@ from dataclasses import MISSING, fields
 from typing import NoReturn
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minivllm.config import DTYPE_CHOICES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
 from minivllm.engine import LLMEngine, make_engine
 from minivllm.models import load_config
 from minivllm.sampling_params import SamplingParams
 from minivllm.serving.api import OpenAIServing
-from minivllm.serving.app import DEFAULT_MAX_REQUEST_BYTES, build_app
+from minivllm.serving.app import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_READ_TIMEOUT_S, build_app
 from minivllm.serving.async_llm import AsyncLLM
 from minivllm.serving.metrics import ServerMetrics
 
-__all__ = ["add_serve_arguments", "engine_config", "serve_main", "GracefulServer", "FIELD_HELP", "usage_error",
-           "check_model", "warm_up", "bind_port"]
+__all__ = ["add_serve_arguments", "engine_config", "serve_main", "GracefulServer", "TimedH11Protocol", "FIELD_HELP",
+           "usage_error", "check_model", "warm_up", "bind_port"]
 
 FIELD_HELP = {
     "collective_timeout": "seconds a tensor-parallel collective waits for a stopped or stuck rank before the step "
@@ -109,6 +112,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES, metavar="BYTES",
                         help="a request body larger than this gets 413 before it is parsed (default: %(default)s, "
                              "4 MiB)")
+    parser.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S, metavar="SECONDS",
+                        help="a connection whose request line and headers are not all there within this many "
+                             "seconds is closed, and a body not all there within as many more gets 408 "
+                             "(default: %(default)s)")
     parser.add_argument("--shutdown-grace", type=float, default=10.0, metavar="SECONDS",
                         help="on SIGTERM, how long requests in flight may run before they are aborted "
                              "(default: %(default)s)")
@@ -136,6 +143,8 @@ def engine_config(args, parser: argparse.ArgumentParser) -> EngineConfig:
         parser.error(f"argument --max-queue-size: must be an integer >= 0, got {args.max_queue_size}")
     if args.max_request_bytes < 1:
         parser.error(f"argument --max-request-bytes: must be an integer >= 1, got {args.max_request_bytes}")
+    if not 0 < args.read_timeout < float("inf"):
+        parser.error(f"argument --read-timeout: must be a finite number of seconds > 0, got {args.read_timeout}")
     if not args.shutdown_grace >= 0 or args.shutdown_grace == float("inf"):
         parser.error(f"argument --shutdown-grace: must be a finite number >= 0, got {args.shutdown_grace}")
     options = {f.name: getattr(args, f"engine_{f.name}") for f in fields(EngineConfig)}
@@ -205,6 +214,36 @@ def bind_port(parser: argparse.ArgumentParser, host: str, port: int) -> socket.s
     return sock
 
 
+class TimedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with a deadline for each request's head: a connection whose request line and
+    headers are not all there within ``head_timeout_s`` of its start (or of its previous response) is closed.
+    uvicorn times out only an idle connection between requests, so a client that sends half a head and then
+    nothing would hold its connection forever. (The body's deadline is the app's: :class:`BodyLimit`.)"""
+
+    def __init__(self, *args, head_timeout_s: float = DEFAULT_READ_TIMEOUT_S, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.head_timeout_s, self._head_timer = head_timeout_s, None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_late)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_late)
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _head_late(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:  # no request is being read or answered
+            self.transport.close()
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn's server whose exit signal first starts the engine's drain (no new requests, a grace period)."""
 
@@ -229,10 +268,11 @@ def serve_main(args, parser: argparse.ArgumentParser) -> int:
         except ValueError as e:
             usage_error(parser, e)
         engine = async_llm.engine
-        app = build_app(OpenAIServing(async_llm, name), metrics, args.max_request_bytes)
+        app = build_app(OpenAIServing(async_llm, name), metrics, args.max_request_bytes, args.read_timeout)
+        http = functools.partial(TimedH11Protocol, head_timeout_s=args.read_timeout)
         server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                               timeout_graceful_shutdown=int(args.shutdown_grace) + 5), async_llm,
-                                args.shutdown_grace)
+                                               timeout_graceful_shutdown=int(args.shutdown_grace) + 5, http=http),
+                                async_llm, args.shutdown_grace)
         print(f"minivllm: serving {name} ({engine.num_blocks} KV blocks of {config.block_size}) on "
               f"http://{args.host}:{args.port}", file=sys.stderr, flush=True)
         for sig in (signal.SIGTERM, signal.SIGINT):  # uvicorn re-raises the signal after its graceful stop: exit 0
