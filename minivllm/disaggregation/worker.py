@@ -102,7 +102,6 @@ class Worker:
         self.faults: dict[str, float] = {}  # fault point -> seconds to sleep there (-1: die there)
         self.running = True
         self.deferred: deque = deque()  # the front's messages that came while this worker waited for its peer
-        self.retired = None  # a link refused in its handshake, kept until the next one forms (see join)
         self.join(epoch)
 
     def engine_config(self, config: EngineConfig) -> EngineConfig:
@@ -118,11 +117,9 @@ class Worker:
             link = open_link(self.port, self.role, epoch, JOIN_TIMEOUT, self.timeout, self.secret)
         except RuntimeError as e:  # the peer dropped the group while it formed (it refused a value, moved on)
             return self.relink(f"the KV link could not be formed ({str(e).splitlines()[0][:200]})", epoch)
-        self.retired = None  # the peer has left that link's group for this one
         try:
             link.handshake(fingerprint(self.engine), JOIN_TIMEOUT, self.handoff.check_fingerprints)
-        except BadSignature as e:
-            self.retired = link  # dropped now, its group could cut the peer's connection while it is still forming
+        except BadSignature as e:  # the group goes now: a transfer the peer starts on it fails at once
             return self.relink(str(e), epoch)
         self.link = link
         self.conn.send(("ready", epoch, self.info()))
