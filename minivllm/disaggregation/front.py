@@ -20,9 +20,10 @@ succeed again), new ones queue until the workers meet again, and the others go
 on. A value in the store that a worker refuses (not signed by this launch:
 forged, or an earlier epoch's) makes both workers form the link again under a
 new epoch, keeping their processes and requests; :meth:`is_ready` (the
-server's ``/health``) is False until the link is back. The front never blocks on a worker: each worker's messages go out
-through a sender thread of its own, so a worker that stops reading cannot
-stall the front (or the server's loop above it).
+server's ``/health``) is False until the link is back. The front never
+blocks on a worker: each worker's messages go out through a sender thread of
+its own, so a worker that stops reading cannot stall the front (or the
+server's loop above it).
 """
 
 from __future__ import annotations
@@ -241,6 +242,7 @@ class DisaggregatedEngine(LLMEngine):
         for role in ROLES:
             self._send(role, ("join", self.epoch))
             self.info.setdefault(role, {})["epoch"], self._started_at[role] = None, time.monotonic()
+            self.info[role].pop("down", None)  # the peer found the dropped link failing: no restart for that
 
     def _next_epoch(self) -> None:
         """A later epoch, by a random step: its keys in the store cannot be named, so nothing can be written there

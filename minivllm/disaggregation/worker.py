@@ -127,11 +127,12 @@ class Worker:
     def relink(self, reason: str, epoch: int) -> None:
         """This epoch's link cannot be used: a value in the store this launch did not sign (forged, or an earlier
         epoch's), or a group the peer dropped. One line in the log, no link, and the front is told, so that both
-        workers form the link again under a new epoch (their processes and requests kept)."""
-        self.link = None
+        workers form the link again under a new epoch (their processes and requests kept). The front hears it
+        before the group goes, so before the peer can find its transfer failing and report the link down."""
         print(f"minivllm {cls_name(self.role)} worker: {reason}; forming the KV link again (epoch {epoch})",
               file=sys.stderr, flush=True)
         self.conn.send(("relink", reason, epoch))
+        self.link = None
 
     def meet(self, epoch: int) -> int:
         """Wait until epoch ``epoch``'s peer is there (bounded); a newer "join" meanwhile moves to its epoch.
