@@ -281,6 +281,7 @@ def test_forged_values_written_under_the_links_keys_are_refused_and_the_server_s
     assert results["decoding"] == (200, "length"), results  # not on the link: it finished
     assert results["during"][0] in (200, 503), results  # sent while the link was down: served, or retryable
     assert engine.num_relinks > refusals and 503 in health, (engine.num_relinks, health)
+    assert not engine.restarts, f"a refusal restarted a worker: {engine.restarts}"
     err = capfd.readouterr().err
     assert "Traceback" not in err, err[-3000:]
     lines = [line for line in err.splitlines() if "not signed by this launch" in line]
