@@ -35,7 +35,7 @@ DRAIN_LIMIT_BYTES = 64 << 20  # an over-limit body is read (and dropped) up to t
 
 class BodyLimit:
     """ASGI middleware: a request body over ``max_bytes`` gets a 413 before any handler reads or parses it, and one
-    not all there within ``timeout_s`` seconds of the request's start gets a 408.
+    not all there within ``timeout_s`` seconds of the request's head gets a 408 (and its connection is closed).
 
     A ``Content-Length`` over the limit is refused without keeping a byte; a
     chunked body is counted as it comes and refused when it passes the limit.
@@ -93,12 +93,12 @@ class BodyLimit:
         while more and dropped < DRAIN_LIMIT_BYTES:
             message = await self.next_part(receive, deadline)
             if message is None:
-                break  # the 413 goes out now, and the connection is closed after it
+                break  # past the deadline: the 413 goes out now, and the connection is closed after it
             dropped += len(message.get("body", b""))
             more = message["type"] == "http.request" and message.get("more_body", False)
         error = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes "
                          f"(serve --max-request-bytes)", None, "invalid_request_error", "request_too_large")
-        await error_response(error)(scope, receive, send)
+        await error_response(error, {"connection": "close"} if more else None)(scope, receive, send)
 
 
 def error_response(error: APIError, headers=None) -> JSONResponse:

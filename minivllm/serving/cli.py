@@ -6,9 +6,9 @@ model loads (and a value only the loaded model refutes, such as a longer
 ``--max-model-len``, before the port opens). The port is bound before the
 model loads, so a port in use is refused at once; uvicorn listens on it once
 the engine is warm. A request must arrive within ``--read-timeout`` seconds:
-its head (or the connection is closed) and then its body (or a 408). SIGTERM (or Ctrl-C) stops accepting requests, lets the
-ones in flight finish for ``--shutdown-grace`` seconds, aborts the rest, and
-exits 0.
+its head (or the connection is closed), then its body (or a 408). SIGTERM
+(or Ctrl-C) stops accepting requests, lets the ones in flight finish for
+``--shutdown-grace`` seconds, aborts the rest, and exits 0.
 """
 
 from __future__ import annotations
