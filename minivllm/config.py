@@ -126,10 +126,10 @@ class EngineConfig:
 
     ``compile_matvec`` (the CPU, float32) runs decode batches of one or two
     rows through matrix-vector kernels and whole decoder layers (their paged
-    attention too, in a decode-only step) compiled by ``torch.compile``, where
-    that measures faster than the eager path here (chapter 12; seconds to
-    compile at startup, ``stats().matvec_rows`` says how many rows it took). It
-    computes the same products to float32 rounding.
+    attention too, in a decode-only step) compiled by ``torch.compile``
+    (chapter 12; seconds to compile at startup, ``stats().matvec_rows`` says
+    how many rows it takes: two, or 0 where compiling failed). It computes the
+    same products to float32 rounding.
 
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,
