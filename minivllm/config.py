@@ -188,14 +188,14 @@ class EngineConfig:
     disaggregated: bool = False
     kv_transfer_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | None = None
-    scheduler_cls: type | str = "minivllm.scheduler.Scheduler"
-    block_manager_cls: type | str = "minivllm.block_manager.BlockManager"
-    attention_backend: type | str = "minivllm.attention.PagedKVCache"
-    sampler: type | str = "minivllm.sampler.Sampler"
-    detokenizer: type | str = "minivllm.detokenizer.IncrementalDetokenizer"
-    offload_tier_cls: type | str = "minivllm.kv_tier.OffloadTier"
-    graph_runner_cls: type | str = "minivllm.cuda_graphs.DecodeGraphRunner"
-    spec_acceptor_cls: type | str = "minivllm.spec_decode.SpecAcceptor"
+    scheduler_cls: type | str = "minivllm.scheduler.MiniScheduler"
+    block_manager_cls: type | str = "minivllm.block_manager.MiniBlockManager"
+    attention_backend: type | str = "minivllm.attention.MiniPagedKVCache"
+    sampler: type | str = "minivllm.sampler.MiniSampler"
+    detokenizer: type | str = "minivllm.detokenizer.MiniIncrementalDetokenizer"
+    offload_tier_cls: type | str = "minivllm.kv_tier.MiniOffloadTier"
+    graph_runner_cls: type | str = "minivllm.cuda_graphs.MiniDecodeGraphRunner"
+    spec_acceptor_cls: type | str = "minivllm.spec_decode.MiniSpecAcceptor"
     shard_weight: object = None  # None: minivllm's own slicing; else a function or its dotted name (chapter 15)
     kv_handoff_cls: object = None  # None: minivllm's KVHandoff; else what builds one, or its dotted name (chapter 16)
 

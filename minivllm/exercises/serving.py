@@ -13,13 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from minivllm.exercises._common import NOT_WRITTEN, own_part, unwritten
 from minivllm.exercises.live import PARTS_DIR, load_part
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import RequestMetrics
-from minivllm.serving.engine_loop import EngineLoop
+from minivllm.serving.engine_loop import EngineLoop, MiniEngineLoop
 
-__all__ = ["check_engine_loop", "your_loop", "served"]
+__all__ = ["check_engine_loop", "your_loop", "served", "METHODS"]
+
+METHODS = ("take_inbox", "route", "turn")  # what exercise 13 writes
 
 MODEL = "tiny-random"  # the loop's behaviour does not depend on the weights: the fastest model there is
 OPTIONS = dict(block_size=16, num_blocks=1024, max_num_seqs=4, device="cpu")
@@ -305,6 +308,9 @@ def _check_refused(cls) -> None:
               "one refused request ends alone: take the rest of the inbox and step as usual")
 
 
+_CASES = (_check_idle, _check_adds, _check_routing, _check_aborts, _check_refused)
+
+
 # -- the live server ---------------------------------------------------------------------------------------------
 
 class _Server:
@@ -426,7 +432,7 @@ def _check_live(cls) -> str:
             "chunks: 0 requests running, 0 KV blocks in use")
 
 
-def check_engine_loop(cls) -> None:
+def check_engine_loop(cls, live: bool = True) -> None:
     """Check an ``EngineLoop`` subclass's ``take_inbox``, ``route`` and ``turn`` (chapter 13).
 
     Targeted turns on a scripted engine first: nothing to do (idle, never a
@@ -434,22 +440,24 @@ def check_engine_loop(cls) -> None:
     in one step in the engine's order (each to its own stream, every one, the
     finished ones closing their streams), a client that leaves (its abort before
     the next step, through ``self.abort``), an add and its abort in one inbox,
-    and an add the engine refuses (that request alone ends, with the error).
-    Then the real server with the class as ``AsyncLLM``'s loop, on tiny-random,
+    and an add the engine refuses (that request alone ends, with the error);
+    the first failure stops the check. Then, unless ``live=False``, the real
+    server with the class as ``AsyncLLM``'s loop, on tiny-random,
     through the OpenAI client: four concurrent streams equal to
     ``LLM.generate``'s greedy text, two clients that hang up, and then no open
-    stream, no request and no KV block left.
+    stream, no request and no KV block left. An empty subclass is "not
+    written yet".
     """
     if not (isinstance(cls, type) and issubclass(cls, EngineLoop)):
         raise AssertionError(f"check_engine_loop takes a subclass of EngineLoop, got {cls!r}")
-    _check_idle(cls)
-    _check_adds(cls)
-    _check_routing(cls)
-    _check_aborts(cls)
-    _check_refused(cls)
+    cls = own_part(cls, METHODS, MiniEngineLoop)
+    for case in _CASES:
+        case(cls)
     print("check_engine_loop: idle without a step, the inbox in order before the step, every output to its own "
           "stream and the finished ones closed, aborts through self.abort, a refused add ending alone (targeted "
           "turns).")
+    if not live:
+        return
     summary = _check_live(cls)
     print(f"check_engine_loop: the live server with your loop: {summary}.")
 
@@ -458,30 +466,29 @@ def check_engine_loop(cls) -> None:
 
 def your_loop(parts_dir: Path = PARTS_DIR) -> type:
     """The reader's ``MyEngineLoop`` from ``your_engine/engine_loop.py`` when it is written and passes the targeted
-    turns; else minivllm's ``EngineLoop``. Prints which, and why."""
-    from minivllm.exercises.progress import stubs
-
+    turns; else minivllm's ``MiniEngineLoop``. Prints which, and why."""
     path = Path(parts_dir) / "engine_loop.py"
+    cls = None
     if not path.exists():
         problem = "missing (run exercise 13 first)"
     else:
         cls = load_part("engine_loop", "MyEngineLoop", parts_dir)
-        problem = "not written yet" if stubs(cls) else None
+        problem = NOT_WRITTEN if unwritten(cls, METHODS) else None
         try:
-            for case in (_check_idle, _check_adds, _check_routing, _check_aborts, _check_refused):
+            for case in _CASES:
                 if problem is None:
                     case(cls)
         except NotImplementedError:
-            problem = "not written yet"
+            problem = NOT_WRITTEN
         except AssertionError as e:
             problem = f"fails: {str(e).splitlines()[0][:160]}"
     what = "the server's engine loop (AsyncLLM)"
     print(f"13 {what:40} " + ("yours" if problem is None else f"minivllm's: yours is {problem}"))
-    return cls if problem is None else EngineLoop
+    return cls if problem is None else MiniEngineLoop
 
 
 @contextmanager
-def served(engine, loop_cls=EngineLoop, model: str = "smollm2-135m"):
+def served(engine, loop_cls=MiniEngineLoop, model: str = "smollm2-135m"):
     """The OpenAI-compatible server over ``engine`` with ``AsyncLLM(loop_cls=...)``, in a thread of this process on
     127.0.0.1 at a free port; yields it (``.url``, ``.llm`` the AsyncLLM, ``.idle()``) and always stops it."""
     server = _Server(engine, loop_cls, model)

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from minivllm.config import cdiv
 from minivllm.engine import LLM
+from minivllm.exercises._common import own_part
 from minivllm.exercises.live import _reference, chat_prompts, drive
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence
 from minivllm.simulator import make_scheduler
-from minivllm.spec_decode import SpecAcceptor, accept_greedy
+from minivllm.spec_decode import MiniSpecAcceptor, accept_greedy
 
-__all__ = ["check_spec_acceptor"]
+__all__ = ["check_spec_acceptor", "METHODS"]
+
+METHODS = ("accept", "commit", "rollback", "cut_at_stop")  # what exercise 17 writes
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 BLOCK = 4  # the targeted cases' block size
@@ -113,7 +116,7 @@ def _commit_case(cls, case):
     """The reader's commit and minivllm's on the same row: both states, the reader's scheduler, and the exception
     the reader's commit raised (None if none)."""
     what, prompt_len, draft, accepted, bonus, params = case
-    ref_sched, ref_seq, ref_out = _decode_row(SpecAcceptor, prompt_len, draft, params)
+    ref_sched, ref_seq, ref_out = _decode_row(MiniSpecAcceptor, prompt_len, draft, params)
     ref_sched.update(ref_out, [bonus], None, [accepted])
     sched, seq, out = _decode_row(cls, prompt_len, draft, params)
     try:
@@ -198,7 +201,7 @@ def _check_cut_at_stop(acceptor) -> None:
         what = (f"cut_at_stop(seq, new_tokens={new}, i={i}): a stop string ended at new_tokens[{i}] = {new[i]} "
                 f"(seq's output {mine.output_token_ids})")
         got = _call(what, acceptor.cut_at_stop, mine, list(new), i)
-        want = SpecAcceptor(None).cut_at_stop(ref, list(new), i)
+        want = MiniSpecAcceptor(None).cut_at_stop(ref, list(new), i)
         if mine.output_token_ids != ref.output_token_ids:
             kept = len(mine.output_token_ids) > len(ref.output_token_ids)
             raise AssertionError(
@@ -259,25 +262,30 @@ def _check_live(cls, requests, options: dict) -> str:
             f"{s.spec_decode_mean_tokens_per_step:.2f} tokens per step, {len(cuts)} stop string(s) inside a run")
 
 
-def check_spec_acceptor(cls) -> None:
+def check_spec_acceptor(cls, live: bool = True) -> None:
     """Check a ``SpecAcceptor`` subclass's ``accept``, ``commit``, ``rollback`` and ``cut_at_stop`` (chapter 17).
 
     Targeted cases first: the greedy rule (the first mismatch, the bonus
     token), one verified decode row through minivllm's scheduler and block
     manager (block size 4, prefix caching) per case (nothing, some, all
     accepted; a stop token and max_tokens inside the run), and a stop string
-    inside the run. Then the live engine on SmolLM2 with the class as its
+    inside the run; the first failure stops the check. Then, unless
+    ``live=False``, the live engine on SmolLM2 with the class as its
     acceptor: chat prompts and prompts that repeat themselves (two ending at a
     stop string), greedy, with prefix caching and chunked prefill; every
     output must be exactly plain decoding's, the block invariants must hold
-    after every step and no block may leak.
+    after every step and no block may leak. An empty subclass is "not written
+    yet".
     """
+    cls = own_part(cls, METHODS, MiniSpecAcceptor)
     acceptor = cls(None)
     _check_accept(acceptor)
     _check_commit(cls)
     _check_cut_at_stop(acceptor)
     print("check_spec_acceptor: the first mismatch, the bonus token, the rollback of rejected slots, the prefix "
           "cache, max_tokens and stops inside the run are right (targeted cases).")
+    if not live:
+        return
     tok = load_tokenizer("smollm2-135m")
     options = dict(block_size=8, num_blocks=400, max_num_seqs=4, enable_prefix_caching=True,
                    enable_chunked_prefill=True, max_prefill_chunk_size=128, max_num_batched_tokens=160,

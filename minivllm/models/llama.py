@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.attention import NoCache, PagedBatch, PagedKVCache
+from minivllm.attention import MiniPagedKVCache, NoCache, PagedBatch
 from minivllm.compiled_attention import RECOMPILE_LIMIT, write_and_attend
 from minivllm.config import EngineConfig
 
@@ -199,7 +199,7 @@ def time_compiled_decode(model, rows: int, repeats: int = 5, context: int = RACE
     alternating after one warm-up round: every weight streams from memory, as in a decode step."""
     c, block_size = model.config, EngineConfig.block_size
     blocks = -(-context // block_size)
-    kv = PagedKVCache.for_model(model, rows * blocks, block_size)
+    kv = MiniPagedKVCache.for_model(model, rows * blocks, block_size)
     batch = PagedBatch([list(range(r * blocks, (r + 1) * blocks)) for r in range(rows)], [context] * rows,
                        [1] * rows, block_size, "cpu", c.num_attention_heads // c.num_key_value_heads)
     positions = torch.full((rows,), context - 1)

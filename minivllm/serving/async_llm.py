@@ -46,7 +46,7 @@ from minivllm.distributed import WorkerError
 from minivllm.engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.serving.engine_loop import IDLE_WAIT_S, EngineLoop
+from minivllm.serving.engine_loop import IDLE_WAIT_S, EngineLoop, MiniEngineLoop
 from minivllm.timing import now
 
 __all__ = ["AsyncLLM", "RequestStream", "QueueFull", "ServerShuttingDown", "EngineRestarting", "RequestFailed"]
@@ -104,7 +104,7 @@ class AsyncLLM:
     """An ``LLMEngine`` served from one background thread to asyncio callers."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_queue_size: int | None = None,
-                 metrics=None, loop_cls: type | str = EngineLoop):
+                 metrics=None, loop_cls: type | str = MiniEngineLoop):
         """``engine``: an engine, or a function the loop thread calls to build one (its error is raised here).
         ``loop_cls``: the :class:`EngineLoop` (sub)class, or its dotted name, that the loop thread turns."""
         check(max_queue_size is None or (is_int(max_queue_size) and max_queue_size >= 0), "max_queue_size",

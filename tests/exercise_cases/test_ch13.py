@@ -174,7 +174,7 @@ class RefusalLeftOpen(MyEngineLoop):
                 self.deliver(item[1], e)
 
 
-CHECKS = [Check("13", check_engine_loop, [MyEngineLoop, EngineLoop, SkipsAbortedAdds], {
+CHECKS = [Check("13", check_engine_loop, [MyEngineLoop, SkipsAbortedAdds], {
     "steps an idle engine": (StepsWhenIdle, "instead of stepping"),
     "never sleeps": (NeverSleeps, "without calling self.idle"),
     "adds after the step": (AddsAfterTheStep, "r2 waited in the inbox"),

@@ -128,7 +128,7 @@ class KeepsPins(MyOffloadTier):
         pass
 
 
-CHECKS = [Check("14", check_offload_tier, [MyOffloadTier, OffloadTier], {
+CHECKS = [Check("14", check_offload_tier, [MyOffloadTier], {
     "find by hash only": (FindsByHashOnly, "hash collision"),
     "find reorders the LRU": (FindTouchesLRU, "pure lookup"),
     "copies a block already there": (CopiesAgain, "already in the tier"),

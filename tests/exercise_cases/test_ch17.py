@@ -105,7 +105,7 @@ class DropsTheStopToken(MySpecAcceptor):
         return new_tokens[:i]
 
 
-CHECKS = [Check("17", check_spec_acceptor, [MySpecAcceptor, SpecAcceptor], {
+CHECKS = [Check("17", check_spec_acceptor, [MySpecAcceptor], {
     "accepts past the first mismatch": (AcceptsEveryMatch, "accepted past the first mismatch"),
     "forgets the bonus token": (NoBonus, "forgot the bonus token"),
     "bonus from the last row": (BonusFromLastRow, r"must be target\[1\]"),
