@@ -136,6 +136,10 @@ def _outcome_rule(t: _Transfer, outcome, got, what: str) -> None:
         raise AssertionError(f"{what}: fail() was called {fails} times; call it once: " + (
             "without it nobody tells the front the request ended, so it waits forever" if fails == 0 else
             "one request, one failure"))
+    if failed and t.events.index("fail") < t.events.index("release"):
+        raise AssertionError(f"{what}: fail() came before release(): the request's error message says whether the "
+                             "prefill worker's blocks are free, and when fail() was called they were still held; "
+                             "free them first (release()), then fail(error), so the request ends with nothing held")
     if failed and str(outcome) not in str(t.errors[0]):
         raise AssertionError(f"{what}: fail({t.errors[0]!r}): pass the LinkError itself (its text says what went "
                              "wrong: a timeout or a dead peer; the request's error message quotes it)")

@@ -154,13 +154,48 @@ def _random_ops(seed: int, n: int):
         yield kind, h, prefix
 
 
+def _rule(ref, kind: str, h: int, prefix: tuple) -> str:
+    """The rule that decides operation ``kind`` on minivllm's tier ``ref`` as it is now (before the operation)."""
+    if kind == "find":
+        return ("find is a pure lookup: the entry under h if it holds exactly this prefix, else None; it never "
+                "reorders, pins or counts")
+    if kind == "restore":
+        return ("restore pins the entry (self.pinned.add(h)), makes it the most recently used, counts it in "
+                "num_restored and returns its slot; the entry stays")
+    if kind == "unpin":
+        return "unpin_all clears every pin (self.pinned.clear())"
+    entries, pinned = list(ref.entries), ref.pinned
+    if ref.find(h, prefix) is not None:
+        return (f"put of a block already in the tier with this exact prefix (hash {h}): copy nothing, return None, "
+                "and make the entry the most recently used (self.entries.move_to_end(h))")
+    if h in ref.entries:
+        if h in pinned:
+            return (f"a collision with a pinned entry (hash {h} holds {ref.entries[h].prefix}, pinned): keep it; the "
+                    "new block is lost: return None and count it in num_dropped")
+        return (f"a collision (hash {h} holds {ref.entries[h].prefix}, not {prefix}): the newer prefix takes the "
+                "hash: drop the old entry (self.drop(h), counted in num_dropped), then store the new one in the "
+                "first free slot")
+    if not ref.free_slots:
+        victim = next((k for k in entries if k not in pinned), None)
+        if victim is None:
+            return ("the tier is full and every entry is pinned: the block is lost, return None and count it in "
+                    "num_dropped")
+        return (f"the tier is full: drop the least recently used entry that is not pinned (hash {victim}; "
+                f"least recently used first: {entries}, pinned {sorted(pinned)}), then store the block in the slot "
+                "that frees")
+    return ("a new entry takes the first free slot (self.free_slots.popleft()) at the most recently used end, "
+            "counted in num_offloaded, and put returns that slot")
+
+
 def _check_sequence(cls, num_slots: int = 4, seed: int = 0, n: int = 300) -> None:
-    """A random mix of operations on a tier of 4 slots, state compared after each: the first that differs."""
+    """A random mix of operations on a tier of 4 slots, state compared after each: the first that differs, with
+    the rule that decided it."""
     mine, ref, log = cls(num_slots), MiniOffloadTier(num_slots), []
     for kind, h, prefix in _random_ops(seed, n):
-        if kind == "restore":  # as the block manager does: only what find returns
-            if ref.find(h, prefix) is None:
-                continue
+        if kind == "restore" and ref.find(h, prefix) is None:  # as the block manager does: only what find returns
+            continue
+        rule = _rule(ref, kind, h, prefix)
+        if kind == "restore":
             call = f"restore({h})"
             got, expected = _call(call, mine.restore, h), ref.restore(h)
         elif kind == "unpin":
@@ -172,8 +207,11 @@ def _check_sequence(cls, num_slots: int = 4, seed: int = 0, n: int = 300) -> Non
         log.append(call)
         what = f"after {len(log)} operations on a tier of {num_slots} slots (the last ones: {'; '.join(log[-4:])})"
         if got != expected:
-            raise AssertionError(f"{what}: {call} returned {got!r}, expected {expected!r}")
-        _same_state(mine, ref, what, {})
+            raise AssertionError(f"{what}: {call} returned {got!r}, expected {expected!r}; the rule here: {rule}")
+        try:
+            _same_state(mine, ref, what, {})
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the rule for {call} here: {rule}") from None
 
 
 def _live_requests(tok):
@@ -215,9 +253,10 @@ def check_offload_tier(cls, live: bool = True) -> None:
 
     Targeted cases first (the exact prefix check, a pure lookup, a block
     already there, LRU eviction, pins, collisions, the counters), then 300
-    random operations against minivllm's tier, stopping at the first
-    failure; then, unless ``live=False``, the live engine on SmolLM2 with the
-    class as its tier, twice: a tier that holds everything
+    random operations against minivllm's tier (a failure names the rule that
+    decides the operation), stopping at the first failure; then, unless
+    ``live=False``, the live engine on SmolLM2 with the class as its tier,
+    twice: a tier that holds everything
     evicted, and one so small that it drops entries while restores are pinned.
     Both must give exactly the tokens of the engine without a tier, and the
     counters of minivllm's tier. An empty subclass is "not written yet".

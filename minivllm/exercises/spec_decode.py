@@ -91,7 +91,9 @@ def _state(sched, seq) -> dict:
     return {"output": list(seq.output_token_ids), "finished": seq.is_finished, "status": seq.status.name,
             "cached": seq.cached_token_count, "blocks": len(seq.block_table),
             "registered": [i for i, b in enumerate(seq.block_table) if bm.blocks[b].hash is not None],
-            "free": bm.num_free_blocks, "new": seq.new_token_count}
+            "cached tokens": {i: bm.blocks[b].tokens for i, b in enumerate(seq.block_table)
+                              if bm.blocks[b].hash is not None},  # what a later prompt finds each block under
+            "tokens": list(seq.token_ids), "free": bm.num_free_blocks, "new": seq.new_token_count}
 
 
 COMMIT_CASES = [  # (what, prompt length, draft, accepted, bonus, params); 7 tokens before the drafts
@@ -127,6 +129,20 @@ def _commit_case(cls, case):
     return _state(sched, seq), _state(ref_sched, ref_seq), sched, error
 
 
+def _check_cached_tokens(mine: dict, where: str, raised: str) -> None:
+    """Each block in the prefix cache holds, under its hash, the sequence's own tokens at its positions."""
+    for i, cached in mine["cached tokens"].items():
+        actual = tuple(mine["tokens"][i * BLOCK:(i + 1) * BLOCK])
+        if cached != actual:
+            raise AssertionError(
+                f"{where}: registering computed blocks before appending the tokens: block {i} (positions "
+                f"{i * BLOCK}..{i * BLOCK + BLOCK - 1}) is in the prefix cache under the tokens {list(cached)}, but "
+                f"the sequence's tokens there are {list(actual)}; when it was registered, the accepted drafts were "
+                "not appended yet, so a later prompt that repeats this one and its output never finds the block. "
+                "Append each token first (append(token)), then count it in seq.cached_token_count and register"
+                + raised)
+
+
 def _check_commit(cls) -> None:
     for case in COMMIT_CASES:
         what, prompt_len, draft, accepted, bonus, params = case
@@ -160,6 +176,7 @@ def _check_commit(cls) -> None:
                 f"is in the prefix cache, but only positions 0..{valid - 1} hold an accepted token's KV (position "
                 f"{valid} is the bonus token, whose KV is computed next step; its slot still holds a rejected "
                 "draft's); count only the accepted drafts in seq.cached_token_count before registering")
+        _check_cached_tokens(mine, where, raised)
         if mine["cached"] != valid:
             more = mine["cached"] > valid
             raise AssertionError(
@@ -172,6 +189,12 @@ def _check_commit(cls) -> None:
                                  f"{ref['registered']}: register each accepted draft's full block "
                                  "(self.block_manager.register_computed_blocks(seq))")
         keep = cdiv(valid, BLOCK)
+        if mine["blocks"] > keep and mine["free"] >= ref["free"]:
+            raise AssertionError(
+                f"{where}: the blocks past the {valid} computed tokens went back to the pool ({mine['free']} blocks "
+                f"free, as expected) but are still in seq.block_table ({mine['blocks']} blocks, expected {keep}): "
+                "cut them from the table too (del seq.block_table[keep:]); a table that names freed blocks has the "
+                "next step write its KV into blocks another sequence may hold by then")
         if mine["blocks"] > keep:
             raise AssertionError(
                 f"{where}: leaving rejected slots claimed: the sequence still holds {mine['blocks']} blocks, but "
@@ -268,7 +291,8 @@ def check_spec_acceptor(cls, live: bool = True) -> None:
     Targeted cases first: the greedy rule (the first mismatch, the bonus
     token), one verified decode row through minivllm's scheduler and block
     manager (block size 4, prefix caching) per case (nothing, some, all
-    accepted; a stop token and max_tokens inside the run), and a stop string
+    accepted; a stop token and max_tokens inside the run; the blocks in the
+    prefix cache and the tokens they are cached under), and a stop string
     inside the run; the first failure stops the check. Then, unless
     ``live=False``, the live engine on SmolLM2 with the class as its
     acceptor: chat prompts and prompts that repeat themselves (two ending at a
