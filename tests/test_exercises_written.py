@@ -171,3 +171,25 @@ def test_the_chapters_show_minivllms_answer_from_its_implementation_class():
         for name in part.methods:
             assert (_api(part).__name__, name) not in shown, f"the book shows {_api(part).__name__}.{name}, a stub"
     assert Path(ROOT / "book").is_dir()
+
+
+@pytest.mark.parametrize("part", [p for p in ENGINE_CLASSES if p.extension], ids=_id)
+def test_the_engine_refuses_an_interface_for_an_extension_point(part):
+    """``EngineConfig(block_manager_cls=BlockManager)`` (or its dotted name, the default's before issue 53) names the
+    field and the methods not written, before anything is built, instead of failing inside a step."""
+    from minivllm.config import EngineConfig
+
+    api = _api(part)
+    for value in (api, f"{api.__module__}.{api.__name__}"):
+        with pytest.raises(ValueError, match=rf"^{part.extension} must be .*\({NOT_WRITTEN}: .*{api.__name__}\."
+                                             rf"{part.methods[0]}"):
+            EngineConfig(model="tiny-random", **{part.extension: value})
+
+
+def test_asyncllm_refuses_the_engine_loop_interface():
+    from minivllm import LLMEngine
+    from minivllm.serving import AsyncLLM, EngineLoop
+
+    engine = LLMEngine(model="tiny-random", num_blocks=16, device="cpu")
+    with pytest.raises(ValueError, match=rf"loop_cls must be .*\({NOT_WRITTEN}: EngineLoop.route"):
+        AsyncLLM(engine, loop_cls=EngineLoop)

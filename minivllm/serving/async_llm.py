@@ -41,7 +41,7 @@ import logging
 import threading
 from typing import AsyncIterator, Callable
 
-from minivllm.config import check, is_int, resolve
+from minivllm.config import NOT_WRITTEN, check, is_int, not_written, resolve
 from minivllm.distributed import WorkerError
 from minivllm.engine import LLMEngine
 from minivllm.outputs import RequestOutput
@@ -111,6 +111,9 @@ class AsyncLLM:
               "None (no limit) or an integer >= 0", max_queue_size)
         self.loop_cls = resolve(loop_cls, "loop_cls")
         check(issubclass(self.loop_cls, EngineLoop), "loop_cls", "a subclass of EngineLoop", self.loop_cls)
+        left = not_written(self.loop_cls)  # EngineLoop itself only declares the turn (exercise 13)
+        check(not left, "loop_cls", "an EngineLoop subclass whose turn is written (the default is MiniEngineLoop)",
+              f"{self.loop_cls.__name__} ({NOT_WRITTEN}: {', '.join(left)})")
         self.metrics = metrics  # a ServerMetrics (or None): updated from the loop thread
         self.accepting = True
         self.loop: EngineLoop | None = None  # built by the loop thread, around the engine it builds
