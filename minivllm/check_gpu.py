@@ -165,7 +165,8 @@ def check_padding(model: str, device: str = "cuda", block_size: int = 4) -> dict
     capture = device == "cuda"
     m, _ = load_model(model, device, default_dtype() if capture else torch.float32)
     cache = MiniPagedKVCache.for_model(m, 16, block_size)
-    graphs = MiniDecodeGraphRunner(m, cache, block_size, 4, 64, m.config.num_attention_heads // m.config.num_key_value_heads,
+    graphs = MiniDecodeGraphRunner(m, cache, block_size, 4, 64,
+                                   m.config.num_attention_heads // m.config.num_key_value_heads,
                                capture=capture)
 
     def step(n: int, first_slot: int) -> StepInputs:  # row i decodes position 5 into block first_slot // 4 + i

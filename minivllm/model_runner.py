@@ -56,7 +56,8 @@ class ModelRunner:
     """Owns the model, the KV pools (``kv_cache_cls``, the attention backend) and the sampler."""
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 kv_cache_cls=MiniPagedKVCache, sampler=None, num_offload_blocks: int = 0, compile_attention: bool = False,
+                 kv_cache_cls=MiniPagedKVCache, sampler=None, num_offload_blocks: int = 0,
+                 compile_attention: bool = False,
                  graph_runner_cls=MiniDecodeGraphRunner, accept=None):
         self.model = model
         self.accept = accept or accept_greedy  # a greedy row's acceptance rule (chapter 17's SpecAcceptor.accept)

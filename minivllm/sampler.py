@@ -24,7 +24,8 @@ import torch
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode import accept_greedy
 
-__all__ = ["Logprob", "SamplerOutput", "Sampler", "MiniSampler", "apply_top_k_top_p", "sample", "top_logprobs", "verify_drafts"]
+__all__ = ["Logprob", "SamplerOutput", "Sampler", "MiniSampler", "apply_top_k_top_p", "sample", "top_logprobs",
+           "verify_drafts"]
 
 
 @dataclass(frozen=True)

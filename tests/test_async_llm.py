@@ -213,7 +213,8 @@ def test_loop_cls_plugs_in_an_engine_loop_subclass(offline):
         assert wait_until(lambda: idle(llm))
     finally:
         llm.close()
-    by_name = AsyncLLM(LLMEngine(model="tiny-random", **OPTIONS), loop_cls="minivllm.serving.engine_loop.MiniEngineLoop")
+    by_name = AsyncLLM(LLMEngine(model="tiny-random", **OPTIONS),
+                       loop_cls="minivllm.serving.engine_loop.MiniEngineLoop")
     by_name.close()
     for bad in ("minivllm.serving.NoSuchLoop", LLMEngine):  # refused before the engine is built
         with pytest.raises(ValueError, match="loop_cls"):

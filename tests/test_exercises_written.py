@@ -155,8 +155,9 @@ def test_the_capstones_print_the_readers_parts_and_the_speculation_counters():
     from minivllm.exercises.capstone import speculation
     from minivllm.outputs import EngineStats
 
-    stats = EngineStats(0, 0, 0, 0, 0, 0, 0.0, 0, spec_decode_num_drafts=3, spec_decode_num_draft_tokens=12, spec_decode_num_accepted_tokens=6,
-                        spec_decode_num_decode_steps=4, spec_decode_num_emitted_tokens=10)
+    stats = EngineStats(0, 0, 0, 0, 0, 0, 0.0, 0, spec_decode_num_drafts=3, spec_decode_num_draft_tokens=12,
+                        spec_decode_num_accepted_tokens=6, spec_decode_num_decode_steps=4,
+                        spec_decode_num_emitted_tokens=10)
     assert speculation(stats) == "3 drafts, 6 of 12 draft tokens accepted (50%), 2.50 tokens per step"
 
 

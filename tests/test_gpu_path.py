@@ -10,7 +10,7 @@ import torch
 
 from minivllm import LLM
 from minivllm import attention
-from minivllm.attention import GATHER, VARLEN, PagedBatch, MiniPagedKVCache, choose_attention_kernel
+from minivllm.attention import GATHER, VARLEN, MiniPagedKVCache, PagedBatch, choose_attention_kernel
 from minivllm.config import EngineConfig, resolve_dtype
 from minivllm.copy_stream import BlockCopier
 from minivllm.cuda_graphs import MiniDecodeGraphRunner, bucket_for, capture_sizes

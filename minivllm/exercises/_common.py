@@ -16,7 +16,7 @@ import numbers
 
 import torch
 
-from minivllm.config import NOT_WRITTEN, is_stub  # an exercise's stub raises NotImplementedError("not written yet: ...")
+from minivllm.config import NOT_WRITTEN, is_stub  # a stub raises NotImplementedError("not written yet: ...")
 
 
 def _as_id_list(value, what: str) -> list[int]:

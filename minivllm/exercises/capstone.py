@@ -67,7 +67,7 @@ def your_options(found: dict[str, list]) -> dict:
         if len(classes) == 1:
             options[extension] = classes[0]
         else:
-            impl = classes[0]._exercise_part[0]  # what load_part completed them with: minivllm's own, e.g. MiniScheduler
+            impl = classes[0]._exercise_part[0]  # what load_part completed them with, e.g. MiniScheduler
             raw = [c._exercise_raw for c in reversed(classes)]
             options[extension] = type(f"Your{impl.__mro__[1].__name__}", (*raw, impl), {})
         options.update(_WITH.get(extension, {}))

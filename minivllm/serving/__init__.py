@@ -10,5 +10,5 @@ from minivllm.serving.async_llm import AsyncLLM, QueueFull, RequestFailed, Reque
 from minivllm.serving.engine_loop import EngineLoop, MiniEngineLoop
 from minivllm.serving.metrics import ServerMetrics
 
-__all__ = ["AsyncLLM", "EngineLoop", "MiniEngineLoop", "RequestStream", "QueueFull", "ServerShuttingDown", "RequestFailed",
-           "OpenAIServing", "build_app", "ServerMetrics"]
+__all__ = ["AsyncLLM", "EngineLoop", "MiniEngineLoop", "RequestStream", "QueueFull", "ServerShuttingDown",
+           "RequestFailed", "OpenAIServing", "build_app", "ServerMetrics"]
