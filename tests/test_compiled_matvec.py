@@ -88,14 +88,14 @@ def test_decode_only_steps_run_each_layer_whole_with_its_paged_attention():
 
 
 def test_a_readers_kv_cache_keeps_its_own_attention_under_compile_matvec():
-    """A PagedKVCache subclass with its own forward (exercise 05's backend) is never bypassed by the whole-layer
+    """A MiniPagedKVCache subclass with its own forward (exercise 05's backend) is never bypassed by the whole-layer
     step: its forward runs for every layer of every step, and the tokens are the eager engine's."""
     from minivllm import load_tokenizer
-    from minivllm.attention import PagedKVCache
+    from minivllm.attention import MiniPagedKVCache
 
     seen = []
 
-    class ReadersCache(PagedKVCache):
+    class ReadersCache(MiniPagedKVCache):
         def forward(self, layer, q, k, v, positions, batch):
             seen.append(q.shape[0])
             return super().forward(layer, q, k, v, positions, batch)

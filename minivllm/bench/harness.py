@@ -24,7 +24,7 @@ from minivllm.bench.baselines import _hf_generation_config, hf_generate_batch, s
 from minivllm.bench.metrics import RequestTimes, ServingMetrics, serving_metrics
 from minivllm.bench.trace import StepRecord, replay, warm_up
 from minivllm.bench.workloads import Workload, _exactly, random_workload
-from minivllm.block_manager import BlockManager
+from minivllm.block_manager import MiniBlockManager
 from minivllm.config import cdiv
 from minivllm.models import load_model
 from minivllm.models.llama import MATVEC_EVENT, MATVEC_MAX_ROWS, Linear
@@ -226,7 +226,7 @@ def run_ladder(workload: Workload, model: str = "smollm2-135m", device=None, bat
     return [runs[r]() for r in rungs]
 
 
-class ReservingBlockManager(BlockManager):
+class ReservingBlockManager(MiniBlockManager):
     """Continuous batching without paging's point: a request claims room for prompt + max_tokens when admitted.
 
     That is a contiguous cache's reservation (chapter 03), counted in blocks,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.attention import NoCache, PagedBatch, PagedKVCache
+from minivllm.attention import NoCache, PagedBatch
 from minivllm.compiled_attention import RECOMPILE_LIMIT, write_and_attend
 from minivllm.config import EngineConfig
 
