@@ -269,14 +269,14 @@ def _bench(args, parser) -> int:
     if device.type == "cpu":  # chapter 12: every engine of this process allocates so, the in-process baselines too
         keep_freed_memory()
         print(f"allocator: {malloc_in_force()}", flush=True)
-    if model.lm_head.packed is not None:  # chapter 12: the layout rule this machine measured when the model loaded
-        print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above "
-              f"(measured at load)", flush=True)
+    if model.lm_head.packed is not None:  # chapter 12: the layout rule (PLAIN_MATMUL_MAX_ROWS), never a timing
+        print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above",
+              flush=True)
     if model.matvec is not None:
         rows, layers = model.matvec_max_rows, model.compiled_layers
         how = ("each layer compiled whole, its attention too in decode-only steps" if layers and layers.step else
                "each layer's halves compiled whole" if layers else "each matmul compiled")
-        print(f"matmuls of up to {rows} row{'s' * (rows != 1)}: the compiled matvec (measured at load), {how}; "
+        print(f"matmuls of up to {rows} row{'s' * (rows != 1)}: the compiled matvec, {how}; "
               f"compiled in {model.matvec_compile_seconds:.1f} s", flush=True)
     opts = _engine_options(args, device)
     peers = [c for c in compare if c in COMPARE_PEERS]

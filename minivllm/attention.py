@@ -41,6 +41,7 @@ __all__ = [
     "PagedBatch",
     "split_by_padding",
     "PagedKVCache",
+    "MiniPagedKVCache",
     "GATHER",
     "VARLEN",
     "COMPILED",
@@ -437,6 +438,10 @@ class PagedKVCache:
     ``k_slots`` and ``v_slots`` are the pools as flat slots with the scratch
     slot last, so ``k_slots[layer][slot_mapping] = k`` sends -1 there too
     (how exercise 05's backend writes).
+
+    This class is the interface and the pools (an extension point,
+    ``attention_backend``): exercise 05 subclasses it and writes
+    :meth:`forward`; minivllm's own is :class:`MiniPagedKVCache`'s.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -527,6 +532,19 @@ class PagedKVCache:
         return 2 * c.num_hidden_layers * c.num_key_value_heads * model.head_dim * p.element_size()
 
     def forward(self, layer: int, q, k, v, positions, batch: PagedBatch):
+        """The step's attention output ``[tokens, heads, head_dim]`` for layer ``layer``: first write the step's
+        keys and values ``k``, ``v`` at ``batch.slot_mapping`` (through ``self.k_slots[layer]`` and
+        ``self.v_slots[layer]``, where -1 is the scratch slot), then attend each group of ``batch.groups``
+        through its block tables and mask. Exercise 05 (a subclass that overrides it sets
+        ``forward.skips_padding_slots = True`` when slot -1 writes only the scratch slot: CUDA graphs rely on it)."""
+        raise NotImplementedError("not written yet: PagedKVCache.forward")
+
+
+class MiniPagedKVCache(PagedKVCache):
+    """minivllm's own paged KV cache (the engine's default ``attention_backend``): exercise 05's ``forward``, by the
+    kernel :func:`choose_attention_kernel` chose (``attention_kernel``)."""
+
+    def forward(self, layer: int, q, k, v, positions, batch: PagedBatch):
         k_pool, v_pool = self.k[layer], self.v[layer]
         write = batch.write_slots(self.scratch_slot)  # -1: the scratch slot
         self.k_slots[layer].index_copy_(0, write, k)
@@ -553,7 +571,7 @@ class PagedKVCache:
         nothing gathered from the pool, no mask. On the CPU only, where it was measured: a GPU keeps one padded
         call a group rather than a kernel launch a prompt. Where a subclass attends its own way (``_attend_group``),
         or SDPA has no ``enable_gqa``, every group goes through ``_attend_group``."""
-        return (device.type == "cpu" and type(self)._attend_group is PagedKVCache._attend_group
+        return (device.type == "cpu" and type(self)._attend_group is MiniPagedKVCache._attend_group
                 and causal_gqa_supported())
 
     def decode_in_place(self, layer: int, batch: PagedBatch | None) -> tuple | None:
@@ -562,8 +580,8 @@ class PagedKVCache:
         (:func:`~minivllm.compiled_attention.write_and_attend`'s arguments after q, k and v). None for any other
         step, and where a subclass attends its own way: its ``forward`` runs instead."""
         if (batch is None or batch.max_q != 1 or self.attention_kernel == VARLEN
-                or type(self).forward is not PagedKVCache.forward
-                or type(self)._attend_group is not PagedKVCache._attend_group):
+                or type(self).forward is not MiniPagedKVCache.forward
+                or type(self)._attend_group is not MiniPagedKVCache._attend_group):
             return None
         tables, context_lens = batch.decode_tables()
         k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
@@ -645,8 +663,8 @@ def _agrees(kernel: str, device, dtype, group: int, compiled=None, block_size: i
             d: int = 64) -> bool:
     """Run one probe batch through ``kernel`` and :data:`GATHER` and compare (fp32 1e-4, else bf16 tolerance)."""
     g = torch.Generator(device="cpu").manual_seed(0)
-    reference = PagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=GATHER)
-    fast = PagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=kernel)
+    reference = MiniPagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=GATHER)
+    fast = MiniPagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=kernel)
     if compiled is not None:
         fast.compiled = compiled  # the engine's own: its compile time counts
     batch = PagedBatch([[3, 1, 4], [5], [7, 9]], [40, 9, 20], [8, 1, 1], block_size, device, group)

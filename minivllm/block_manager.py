@@ -15,6 +15,10 @@ used, and only when a new block is needed and no unhashed free block is left.
 Admission is one step: :meth:`lookup_prefix` only looks, and
 :meth:`allocate` claims the hits and the new blocks together, or nothing.
 
+:class:`BlockManager` is the interface (what exercises 04 and 08 subclass:
+the methods they write only raise there) with the shared helpers;
+:class:`MiniBlockManager` is minivllm's own, the engine's default.
+
 With a CPU offload tier (chapter 14, :mod:`minivllm.kv_tier`) an evicted
 cached block's KV is copied to the tier instead of dropped, and a prompt whose
 chain continues there (:meth:`lookup_offloaded`) gets those blocks restored
@@ -29,10 +33,10 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from minivllm.config import cdiv
-from minivllm.kv_tier import OffloadTier
+from minivllm.kv_tier import MiniOffloadTier
 from minivllm.sequence import Sequence
 
-__all__ = ["slots", "Block", "BlockManager"]
+__all__ = ["slots", "Block", "BlockManager", "MiniBlockManager"]
 
 
 def slots(block_table: list[int], start: int, end: int, block_size: int) -> list[int]:
@@ -56,9 +60,18 @@ class Block:
 
 
 class BlockManager:
+    """The block manager's interface and shared helpers (an extension point: ``EngineConfig(block_manager_cls=...)``).
+
+    Exercises 04 and 08 subclass it and write :meth:`allocate`, :meth:`free`,
+    :meth:`slot_mapping` (04), :meth:`lookup_prefix`,
+    :meth:`register_computed_blocks`, :meth:`take_free_block` and
+    :meth:`release` (08); here they only say what they do. minivllm's own are
+    :class:`MiniBlockManager`'s, the engine's default.
+    """
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  num_cpu_blocks: int = 0, watermark: float = 0.0, num_offload_blocks: int = 0,
-                 tier_cls: type = OffloadTier):
+                 tier_cls: type = MiniOffloadTier):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -88,15 +101,11 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
-    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Where the KV of ``seq``'s tokens ``[start, end)`` is written (its table must cover them)."""
-        return slots(seq.block_table, start, end, self.block_size)
-
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks ``seq`` needs so that its table covers ``num_tokens`` tokens."""
         return max(0, cdiv(num_tokens, self.block_size) - len(seq.block_table))
 
-    # -- allocation ----------------------------------------------------------------------------
+    # -- what exercises 04 and 08 write (minivllm's own: MiniBlockManager) -------------------------
     def allocate(self, seq: Sequence, num_tokens: int, cached_blocks: list[int] = (),
                  watermark: bool = False, restored: list[int] = ()) -> bool:
         """Grow ``seq``'s table to cover ``num_tokens`` tokens; all or nothing (False: nothing changed).
@@ -105,38 +114,52 @@ class BlockManager:
         blocks) are claimed first. With ``watermark`` the allocation must also
         leave the admission watermark free (chapter 10). ``restored`` (tier
         hashes from :meth:`lookup_offloaded`) are the first new blocks: their
-        KV is copied back from the CPU tier (chapter 14).
+        KV is copied back from the CPU tier (chapter 14). Exercise 04.
         """
-        assert not cached_blocks or not seq.block_table, "cached blocks start a sequence without blocks"
-        need = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_blocks)
-        revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)  # they leave the free count too
-        free_after = self.num_free_blocks - revived - max(0, need)
-        if free_after < (self.watermark_blocks if watermark else 0):
-            return False
-        for block in cached_blocks:
-            self.claim(block)
-        seq.block_table.extend(cached_blocks)
-        seq.block_table.extend(self.take_restored_blocks(restored))
-        for _ in range(need - len(restored)):
-            seq.block_table.append(self.take_free_block())
-        return True
+        raise NotImplementedError("not written yet: BlockManager.allocate")
 
+    def free(self, seq: Sequence) -> None:
+        """Release ``seq``'s blocks (finish, abort or preemption), last first; shared blocks just lose a reference;
+        then :meth:`forget` it. Exercise 04."""
+        raise NotImplementedError("not written yet: BlockManager.free")
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Where the KV of ``seq``'s tokens ``[start, end)`` is written (its table must cover them). Exercise 04."""
+        raise NotImplementedError("not written yet: BlockManager.slot_mapping")
+
+    def take_free_block(self) -> int:
+        """A block for new KV, owned once: an unused one, else the least recently used cached one (evicted, its KV
+        offered to the CPU tier with :meth:`_offload`, chapter 14). Exercise 08."""
+        raise NotImplementedError("not written yet: BlockManager.take_free_block")
+
+    def release(self, block: int) -> None:
+        """One owner fewer; with none left, a cached block waits (evictable, most recently used) and any other is
+        free. Exercise 08."""
+        raise NotImplementedError("not written yet: BlockManager.release")
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks that start ``seq``'s tokens, without claiming them (a pure lookup).
+
+        The last token is never served from the cache: its logits are needed
+        to sample the next token. Exercise 08.
+        """
+        raise NotImplementedError("not written yet: BlockManager.lookup_prefix")
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Make ``seq``'s newly completed full blocks findable (their KV is now written).
+
+        A block whose exact prefix is already registered (another request computed
+        the same tokens) is not registered twice; its successors link to the
+        registered one, so later lookups follow a single chain. Exercise 08.
+        """
+        raise NotImplementedError("not written yet: BlockManager.register_computed_blocks")
+
+    # -- shared helpers --------------------------------------------------------------------------
     def claim(self, block: int) -> None:
         """One more owner for a block another sequence computed (a prefix-cache hit, a fork)."""
         if self.blocks[block].ref_count == 0:
             del self.evictable[block]
         self.blocks[block].ref_count += 1
-
-    def take_free_block(self) -> int:
-        """A block for new KV, owned once: an unused one, else the least recently used cached one (evicted)."""
-        if self.free_blocks:
-            block = self.free_blocks.popleft()
-        else:
-            block, _ = self.evictable.popitem(last=False)
-            self._offload(block)
-            self._unregister(block)
-        self.blocks[block].ref_count = 1
-        return block
 
     def take_restored_blocks(self, restored: list[int]) -> list[int]:
         """Fresh blocks for tier entries ``restored`` (chapter 14), their KV's copies back queued for the step."""
@@ -144,23 +167,6 @@ class BlockManager:
         blocks = [self.take_free_block() for _ in slots]
         self.restores.extend(zip(slots, blocks))
         return blocks
-
-    def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks (finish, abort or preemption). Shared blocks just lose a reference."""
-        for block in reversed(seq.block_table):  # tail first: the prefix stays cached longest
-            self.release(block)
-        seq.block_table = []
-        self.forget(seq)
-
-    def release(self, block: int) -> None:
-        """One owner fewer; with none left, a cached block waits (evictable) and any other is free."""
-        record = self.blocks[block]
-        record.ref_count -= 1
-        if record.ref_count == 0:
-            if record.hash is not None:
-                self.evictable[block] = None
-            else:
-                self.free_blocks.append(block)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Release ``seq``'s blocks past its first ``num_tokens`` tokens: speculative decoding's rollback (chapter 17).
@@ -234,27 +240,6 @@ class BlockManager:
     def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
         return hash((parent_hash, tokens))
 
-    def lookup_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks that start ``seq``'s tokens, without claiming them (a pure lookup).
-
-        The last token is never served from the cache: its logits are needed
-        to sample the next token.
-        """
-        if not self.enable_prefix_caching:
-            return []
-        tokens, bs = seq.token_ids, self.block_size
-        found: list[int] = []
-        parent_hash, parent = None, None
-        for i in range((len(tokens) - 1) // bs):
-            chunk = tuple(tokens[i * bs:(i + 1) * bs])
-            parent_hash = self.chain_hash(parent_hash, chunk)
-            block = self.hash_to_block.get(parent_hash)
-            if block is None or not self.blocks[block].matches(chunk, parent):
-                break
-            found.append(block)
-            parent = (block, self.blocks[block].generation)
-        return found
-
     def match_prefix(self, seq: Sequence) -> int:
         """Look up and claim the cached blocks that start ``seq``; returns the number of tokens they hold."""
         assert not seq.block_table, "match_prefix is for a sequence without blocks"
@@ -267,34 +252,6 @@ class BlockManager:
         if self.enable_prefix_caching:
             self.prefix_queried_tokens += seq.num_tokens
             self.prefix_hit_tokens += hit_tokens
-
-    def register_computed_blocks(self, seq: Sequence) -> None:
-        """Make ``seq``'s newly completed full blocks findable (their KV is now written).
-
-        A block whose exact prefix is already registered (another request computed
-        the same tokens) is not registered twice; its successors link to the
-        registered one, so later lookups follow a single chain.
-        """
-        if not self.enable_prefix_caching:
-            return
-        links = self.seq_links.setdefault(seq.seq_id, [])
-        bs = self.block_size
-        for i in range(len(links), seq.cached_token_count // bs):
-            chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
-            parent_hash, parent = links[-1] if links else (None, None)
-            h = self.chain_hash(parent_hash, chunk)
-            existing = self.hash_to_block.get(h)
-            if existing is not None:  # same prefix computed elsewhere (our own hit, too), or a hash collision
-                same = self.blocks[existing].matches(chunk, parent)
-                links.append((h, (existing, self.blocks[existing].generation) if same else None))
-            elif i > 0 and parent is None:  # the chain above is unregistered: nothing can reach this block
-                links.append((h, None))
-            else:
-                record = self.blocks[seq.block_table[i]]
-                record.generation += 1
-                record.hash, record.tokens, record.parent = h, chunk, parent
-                self.hash_to_block[h] = record.block_id
-                links.append((h, (record.block_id, record.generation)))
 
     def _unregister(self, block: int) -> None:
         record = self.blocks[block]
@@ -395,3 +352,90 @@ class BlockManager:
         assert len(self.hash_to_block) == sum(r.hash is not None for r in self.blocks)
         if self.tier is not None:
             self.tier.check_invariants()
+
+
+class MiniBlockManager(BlockManager):
+    """minivllm's own block manager (the engine's default ``block_manager_cls``): exercise 04's allocation and
+    slot mapping, exercise 08's prefix cache."""
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached_blocks: list[int] = (),
+                 watermark: bool = False, restored: list[int] = ()) -> bool:
+        assert not cached_blocks or not seq.block_table, "cached blocks start a sequence without blocks"
+        need = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_blocks)
+        revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)  # they leave the free count too
+        free_after = self.num_free_blocks - revived - max(0, need)
+        if free_after < (self.watermark_blocks if watermark else 0):
+            return False
+        for block in cached_blocks:
+            self.claim(block)
+        seq.block_table.extend(cached_blocks)
+        seq.block_table.extend(self.take_restored_blocks(restored))
+        for _ in range(need - len(restored)):
+            seq.block_table.append(self.take_free_block())
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        for block in reversed(seq.block_table):  # tail first: the prefix stays cached longest
+            self.release(block)
+        seq.block_table = []
+        self.forget(seq)
+
+    def slot_mapping(self, seq: Sequence, start: int, end: int) -> list[int]:
+        return slots(seq.block_table, start, end, self.block_size)
+
+    def take_free_block(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            self._offload(block)
+            self._unregister(block)
+        self.blocks[block].ref_count = 1
+        return block
+
+    def release(self, block: int) -> None:
+        record = self.blocks[block]
+        record.ref_count -= 1
+        if record.ref_count == 0:
+            if record.hash is not None:
+                self.evictable[block] = None
+            else:
+                self.free_blocks.append(block)
+
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        tokens, bs = seq.token_ids, self.block_size
+        found: list[int] = []
+        parent_hash, parent = None, None
+        for i in range((len(tokens) - 1) // bs):
+            chunk = tuple(tokens[i * bs:(i + 1) * bs])
+            parent_hash = self.chain_hash(parent_hash, chunk)
+            block = self.hash_to_block.get(parent_hash)
+            if block is None or not self.blocks[block].matches(chunk, parent):
+                break
+            found.append(block)
+            parent = (block, self.blocks[block].generation)
+        return found
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        if not self.enable_prefix_caching:
+            return
+        links = self.seq_links.setdefault(seq.seq_id, [])
+        bs = self.block_size
+        for i in range(len(links), seq.cached_token_count // bs):
+            chunk = tuple(seq.token_slice(i * bs, (i + 1) * bs))
+            parent_hash, parent = links[-1] if links else (None, None)
+            h = self.chain_hash(parent_hash, chunk)
+            existing = self.hash_to_block.get(h)
+            if existing is not None:  # same prefix computed elsewhere (our own hit, too), or a hash collision
+                same = self.blocks[existing].matches(chunk, parent)
+                links.append((h, (existing, self.blocks[existing].generation) if same else None))
+            elif i > 0 and parent is None:  # the chain above is unregistered: nothing can reach this block
+                links.append((h, None))
+            else:
+                record = self.blocks[seq.block_table[i]]
+                record.generation += 1
+                record.hash, record.tokens, record.parent = h, chunk, parent
+                self.hash_to_block[h] = record.block_id
+                links.append((h, (record.block_id, record.generation)))

@@ -157,15 +157,16 @@ def check_padding(model: str, device: str = "cuda", block_size: int = 4) -> dict
 
     On the CPU (``device="cpu"``) the same steps run as the eager replay, which is how the tests check this check.
     """
-    from minivllm.attention import PagedKVCache
-    from minivllm.cuda_graphs import DecodeGraphRunner
+    from minivllm.attention import MiniPagedKVCache
+    from minivllm.cuda_graphs import MiniDecodeGraphRunner
     from minivllm.model_runner import StepInputs
     from minivllm.models import load_model
 
     capture = device == "cuda"
     m, _ = load_model(model, device, default_dtype() if capture else torch.float32)
-    cache = PagedKVCache.for_model(m, 16, block_size)
-    graphs = DecodeGraphRunner(m, cache, block_size, 4, 64, m.config.num_attention_heads // m.config.num_key_value_heads,
+    cache = MiniPagedKVCache.for_model(m, 16, block_size)
+    graphs = MiniDecodeGraphRunner(m, cache, block_size, 4, 64,
+                                   m.config.num_attention_heads // m.config.num_key_value_heads,
                                capture=capture)
 
     def step(n: int, first_slot: int) -> StepInputs:  # row i decodes position 5 into block first_slot // 4 + i

@@ -50,6 +50,21 @@ def is_text(value) -> bool:
     return True
 
 
+NOT_WRITTEN = "not written yet"  # what a method an exercise has the reader write raises until it is written
+
+
+def is_stub(f) -> bool:
+    """Whether ``f`` (a function, or a method as a class holds it) still raises an exercise's stub,
+    ``NotImplementedError("not written yet: Class.method")``: the interface classes' declared methods do."""
+    code = getattr(inspect.unwrap(getattr(f, "__func__", f)), "__code__", None)
+    return code is not None and any(isinstance(c, str) and c.startswith(NOT_WRITTEN) for c in code.co_consts)
+
+
+def not_written(cls: type) -> list[str]:
+    """``Class.method`` for each method ``cls`` runs that is still a stub (the interface a reader subclasses)."""
+    return [f"{cls.__name__}.{name}" for name, f in inspect.getmembers(cls, inspect.isfunction) if is_stub(f)]
+
+
 DEFAULT_MAX_NUM_SEQS = 64  # measured on a 2-core CPU (see EngineConfig)
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 32
@@ -150,10 +165,10 @@ class EngineConfig:
 
     ``compile_matvec`` (the CPU, float32) runs decode batches of one or two
     rows through matrix-vector kernels and whole decoder layers (their paged
-    attention too, in a decode-only step) compiled by ``torch.compile``, where
-    that measures faster than the eager path here (chapter 12; seconds to
-    compile at startup, ``stats().matvec_rows`` says how many rows it took). It
-    computes the same products to float32 rounding.
+    attention too, in a decode-only step) compiled by ``torch.compile``
+    (chapter 12; seconds to compile at startup, ``stats().matvec_rows`` says
+    how many rows it takes: two, or 0 where compiling failed). It computes the
+    same products to float32 rounding.
 
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,
@@ -212,14 +227,14 @@ class EngineConfig:
     disaggregated: bool = False
     kv_transfer_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | None = None
-    scheduler_cls: type | str = "minivllm.scheduler.Scheduler"
-    block_manager_cls: type | str = "minivllm.block_manager.BlockManager"
-    attention_backend: type | str = "minivllm.attention.PagedKVCache"
-    sampler: type | str = "minivllm.sampler.Sampler"
-    detokenizer: type | str = "minivllm.detokenizer.IncrementalDetokenizer"
-    offload_tier_cls: type | str = "minivllm.kv_tier.OffloadTier"
-    graph_runner_cls: type | str = "minivllm.cuda_graphs.DecodeGraphRunner"
-    spec_acceptor_cls: type | str = "minivllm.spec_decode.SpecAcceptor"
+    scheduler_cls: type | str = "minivllm.scheduler.MiniScheduler"
+    block_manager_cls: type | str = "minivllm.block_manager.MiniBlockManager"
+    attention_backend: type | str = "minivllm.attention.MiniPagedKVCache"
+    sampler: type | str = "minivllm.sampler.MiniSampler"
+    detokenizer: type | str = "minivllm.detokenizer.MiniIncrementalDetokenizer"
+    offload_tier_cls: type | str = "minivllm.kv_tier.MiniOffloadTier"
+    graph_runner_cls: type | str = "minivllm.cuda_graphs.MiniDecodeGraphRunner"
+    spec_acceptor_cls: type | str = "minivllm.spec_decode.MiniSpecAcceptor"
     shard_weight: object = None  # None: minivllm's own slicing; else a function or its dotted name (chapter 15)
     kv_handoff_cls: object = None  # None: minivllm's KVHandoff; else what builds one, or its dotted name (chapter 16)
 
@@ -266,7 +281,10 @@ class EngineConfig:
         callable that takes the arguments it is called with."""
         for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer",
                      "offload_tier_cls", "graph_runner_cls", "spec_acceptor_cls"):
-            resolve(getattr(self, name), name)
+            cls = resolve(getattr(self, name), name)
+            left = not_written(cls)  # e.g. the interface an exercise subclasses, named instead of minivllm's own
+            check(not left, name, f"a class whose methods are written (the default is {getattr(EngineConfig, name)})",
+                  f"{cls.__name__} ({NOT_WRITTEN}: {', '.join(left)})")
         resolve_function(self.shard_weight, "shard_weight", ("name", "weight", "rank", "world", "config"))
         resolve_function(self.kv_handoff_cls, "kv_handoff_cls", ())
 

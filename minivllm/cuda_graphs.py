@@ -39,7 +39,7 @@ import torch
 from minivllm.attention import PagedBatch
 from minivllm.config import cdiv
 
-__all__ = ["capture_sizes", "bucket_for", "DecodeGraphRunner", "GRAPH_MAX_CONTEXT"]
+__all__ = ["capture_sizes", "bucket_for", "DecodeGraphRunner", "MiniDecodeGraphRunner", "GRAPH_MAX_CONTEXT"]
 
 # Longest context a captured step attends over; a decode step with a longer one runs eagerly. The gather
 # kernel reads this many keys per row in every replay (varlen reads only the real ones), so it stays modest.
@@ -67,7 +67,9 @@ class DecodeGraphRunner:
 
     ``capture=True`` (CUDA) records the graphs now; ``capture=False`` runs
     the same padded batch eagerly, on any device. ``num_replays`` and
-    ``num_eager`` count the steps each way.
+    ``num_eager`` count the steps each way. The interface (an extension point,
+    ``graph_runner_cls``): exercise 12 subclasses it and writes :meth:`load`;
+    minivllm's own is :class:`MiniDecodeGraphRunner`'s.
     """
 
     def __init__(self, model, kv_cache, block_size: int, max_num_seqs: int, max_model_len: int,
@@ -95,16 +97,9 @@ class DecodeGraphRunner:
                 and all(len(t) <= self.max_blocks for t in inputs.block_tables))
 
     def load(self, inputs) -> int:
-        """Write the step into the static buffers in place, padding rows included; returns the size run."""
-        n = len(inputs.query_lens)
-        b, w = bucket_for(n, self.sizes), self.max_blocks
-        pad = b - n
-        host = {self.input_ids: inputs.token_ids + [0] * pad, self.positions: inputs.positions + [0] * pad,
-                self.slot_mapping: inputs.slot_mapping + [-1] * pad, self.context_lens: inputs.context_lens + [1] * pad,
-                self.block_tables: [t + [0] * (w - len(t)) for t in inputs.block_tables] + [[0] * w] * pad}
-        for buffer, values in host.items():
-            buffer[:b].copy_(torch.tensor(values, dtype=torch.long))
-        return b
+        """Write the step (a ``StepInputs``) into the static buffers in place, every row up to the size run: the
+        real rows, then padding rows (slot -1, context length 1, block 0); returns that size. Exercise 12."""
+        raise NotImplementedError("not written yet: DecodeGraphRunner.load")
 
     def _forward(self, b: int) -> torch.Tensor:
         """The padded forward of size ``b`` over the static buffers (what a graph records)."""
@@ -163,3 +158,18 @@ class DecodeGraphRunner:
                 self.outputs[b] = self._forward(b)
             self.graphs[b] = graph
         torch.cuda.synchronize()
+
+
+class MiniDecodeGraphRunner(DecodeGraphRunner):
+    """minivllm's own (the engine's default ``graph_runner_cls``): the padding rule of exercise 12."""
+
+    def load(self, inputs) -> int:
+        n = len(inputs.query_lens)
+        b, w = bucket_for(n, self.sizes), self.max_blocks
+        pad = b - n
+        host = {self.input_ids: inputs.token_ids + [0] * pad, self.positions: inputs.positions + [0] * pad,
+                self.slot_mapping: inputs.slot_mapping + [-1] * pad, self.context_lens: inputs.context_lens + [1] * pad,
+                self.block_tables: [t + [0] * (w - len(t)) for t in inputs.block_tables] + [[0] * w] * pad}
+        for buffer, values in host.items():
+            buffer[:b].copy_(torch.tensor(values, dtype=torch.long))
+        return b

@@ -18,6 +18,10 @@ from collections import deque
 
 
 class IncrementalDetokenizer:
+    """One sample's text, token by token: the interface and shared state (an extension point,
+    ``EngineConfig(detokenizer=...)``). Exercise 07 subclasses it and writes :meth:`add`; minivllm's own is
+    :class:`MiniIncrementalDetokenizer`'s."""
+
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -30,7 +34,15 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_ids: list[int]) -> str:
-        """Feed new tokens; returns the text they complete (possibly empty)."""
+        """Feed new tokens; returns the text they complete (possibly empty), never half a character (U+FFFD),
+        and appends it to ``self.text``. Exercise 07."""
+        raise NotImplementedError("not written yet: IncrementalDetokenizer.add")
+
+
+class MiniIncrementalDetokenizer(IncrementalDetokenizer):
+    """minivllm's own (the engine's default ``detokenizer``): re-decode a short window, emit what is complete."""
+
+    def add(self, token_ids: list[int]) -> str:
         delta = ""
         for tid in token_ids:
             self.tokens.append(tid)
@@ -117,7 +129,7 @@ class OutputText:
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str] = (), include_stop: bool = False,
-                 detokenizer_cls=IncrementalDetokenizer):
+                 detokenizer_cls=MiniIncrementalDetokenizer):
         self.tokenizer = tokenizer
         self.detokenizer = detokenizer_cls(tokenizer, prompt_token_ids)
         self.stop, self.include_stop = list(stop), include_stop

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-__all__ = ["TierEntry", "OffloadTier"]
+__all__ = ["TierEntry", "OffloadTier", "MiniOffloadTier"]
 
 
 @dataclass
@@ -27,7 +27,10 @@ class TierEntry:
 
 
 class OffloadTier:
-    """``num_slots`` CPU block slots, an LRU map from chain hash to entry, and the step's pins."""
+    """``num_slots`` CPU block slots, an LRU map from chain hash to entry, and the step's pins: the tier's interface
+    and shared helpers (an extension point, ``EngineConfig(offload_tier_cls=...)``). Exercise 14 subclasses it and
+    writes :meth:`find`, :meth:`put`, :meth:`restore` and :meth:`unpin_all`; minivllm's own are
+    :class:`MiniOffloadTier`'s."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
@@ -39,51 +42,35 @@ class OffloadTier:
     def __len__(self) -> int:
         return len(self.entries)
 
+    # -- what exercise 14 writes (minivllm's own: MiniOffloadTier) --------------------------------
     def find(self, h: int, prefix: tuple[int, ...]) -> TierEntry | None:
-        """The entry holding exactly ``prefix`` under hash ``h``, or None (a pure lookup)."""
-        entry = self.entries.get(h)
-        return entry if entry is not None and entry.prefix == prefix else None
+        """The entry holding exactly ``prefix`` under hash ``h``, or None (a pure lookup). Exercise 14."""
+        raise NotImplementedError("not written yet: OffloadTier.find")
 
     def put(self, h: int, prefix: tuple[int, ...]) -> int | None:
         """Take in an evicted block: the slot to copy its KV to, or None (already here, or no room).
 
-        Makes room by dropping the least recently used unpinned entry.
+        Already here with this prefix: None, and it becomes the most recently
+        used. Another prefix under ``h`` (a collision): the newer one takes the
+        hash unless the old entry is pinned. No free slot: drop the least
+        recently used unpinned entry (none: the block is lost). Exercise 14.
         """
-        if self.find(h, prefix) is not None:  # a restored block evicted again: its KV is still here
-            self.entries.move_to_end(h)
-            return None
-        if h in self.entries and h not in self.pinned:  # a collision: the newer prefix takes the hash
-            self.drop(h)
-        if h in self.entries or not (self.free_slots or self._drop_lru()):
-            self.num_dropped += 1  # nowhere to keep it: its KV is lost
-            return None
-        slot = self.free_slots.popleft()
-        self.entries[h] = TierEntry(slot, prefix)
-        self.num_offloaded += 1
-        return slot
+        raise NotImplementedError("not written yet: OffloadTier.put")
 
     def restore(self, h: int) -> int:
-        """Pin an entry for this step's restore copy and mark it used; returns its slot (the entry stays)."""
-        self.pinned.add(h)
-        self.entries.move_to_end(h)
-        self.num_restored += 1
-        return self.entries[h].slot
+        """Pin an entry for this step's restore copy and mark it used; returns its slot (the entry stays).
+        Exercise 14."""
+        raise NotImplementedError("not written yet: OffloadTier.restore")
 
     def unpin_all(self) -> None:
-        """The step's restore copies are handed to the runner, ordered before any later offload."""
-        self.pinned.clear()
+        """The step's restore copies are handed to the runner, ordered before any later offload. Exercise 14."""
+        raise NotImplementedError("not written yet: OffloadTier.unpin_all")
 
+    # -- shared helpers --------------------------------------------------------------------------
     def discard_slots(self, slots: set[int]) -> None:
         """Forget entries whose offload copy never ran (an interrupted step): their slots hold no KV."""
         for h in [h for h, e in self.entries.items() if e.slot in slots]:
             self.drop(h, count=False)
-
-    def _drop_lru(self) -> bool:
-        h = next((h for h in self.entries if h not in self.pinned), None)
-        if h is None:
-            return False
-        self.drop(h)
-        return True
 
     def drop(self, h: int, count: bool = True) -> None:
         """Forget entry ``h``: its slot freed, its pin gone; counted as dropped unless ``count`` is False."""
@@ -101,3 +88,41 @@ class OffloadTier:
         assert len(free) + len(used) == self.num_slots, \
             f"tier slots leaked: {len(free)} free + {len(used)} used != {self.num_slots}"
         assert self.pinned <= set(self.entries), "a pinned hash has no tier entry"
+
+
+class MiniOffloadTier(OffloadTier):
+    """minivllm's own tier (the engine's default ``offload_tier_cls``): exercise 14's bookkeeping."""
+
+    def find(self, h: int, prefix: tuple[int, ...]) -> TierEntry | None:
+        entry = self.entries.get(h)
+        return entry if entry is not None and entry.prefix == prefix else None
+
+    def put(self, h: int, prefix: tuple[int, ...]) -> int | None:
+        if self.find(h, prefix) is not None:  # a restored block evicted again: its KV is still here
+            self.entries.move_to_end(h)
+            return None
+        if h in self.entries and h not in self.pinned:  # a collision: the newer prefix takes the hash
+            self.drop(h)
+        if h in self.entries or not (self.free_slots or self._drop_lru()):
+            self.num_dropped += 1  # nowhere to keep it: its KV is lost
+            return None
+        slot = self.free_slots.popleft()
+        self.entries[h] = TierEntry(slot, prefix)
+        self.num_offloaded += 1
+        return slot
+
+    def restore(self, h: int) -> int:
+        self.pinned.add(h)
+        self.entries.move_to_end(h)
+        self.num_restored += 1
+        return self.entries[h].slot
+
+    def unpin_all(self) -> None:
+        self.pinned.clear()
+
+    def _drop_lru(self) -> bool:
+        h = next((h for h in self.entries if h not in self.pinned), None)
+        if h is None:
+            return False
+        self.drop(h)
+        return True

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.attention import PagedBatch, PagedKVCache
+from minivllm.attention import MiniPagedKVCache, PagedBatch
 from minivllm.block_manager import slots
 from minivllm.cpu_malloc import keep_freed_memory
-from minivllm.cuda_graphs import DecodeGraphRunner
-from minivllm.sampler import Sampler, SamplerOutput, verify_drafts
+from minivllm.cuda_graphs import DecodeGraphRunner, MiniDecodeGraphRunner
+from minivllm.sampler import MiniSampler, SamplerOutput, verify_drafts
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
 from minivllm.spec_decode import accept_greedy
@@ -56,8 +56,9 @@ class ModelRunner:
     """Owns the model, the KV pools (``kv_cache_cls``, the attention backend) and the sampler."""
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 kv_cache_cls=PagedKVCache, sampler=None, num_offload_blocks: int = 0, compile_attention: bool = False,
-                 graph_runner_cls=DecodeGraphRunner, accept=None):
+                 kv_cache_cls=MiniPagedKVCache, sampler=None, num_offload_blocks: int = 0,
+                 compile_attention: bool = False,
+                 graph_runner_cls=MiniDecodeGraphRunner, accept=None):
         self.model = model
         self.accept = accept or accept_greedy  # a greedy row's acceptance rule (chapter 17's SpecAcceptor.accept)
         self.graph_runner_cls = graph_runner_cls  # an extension point (exercise 12): what enable_decode_graphs builds
@@ -69,7 +70,7 @@ class ModelRunner:
         if compile_attention:  # asked for only when wanted, so a backend without the option still plugs in
             extra["compile_attention"] = True
         self.kv_cache = kv_cache_cls.for_model(model, num_blocks, block_size, num_cpu_blocks, **extra)
-        self.sampler = sampler if sampler is not None else Sampler(self.device)
+        self.sampler = sampler if sampler is not None else MiniSampler(self.device)
         self.num_queries_per_kv = model.config.num_attention_heads // model.config.num_key_value_heads
         self.graph_runner: DecodeGraphRunner | None = None  # decode steps through static buffers (chapter 12)
 

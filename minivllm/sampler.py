@@ -24,7 +24,8 @@ import torch
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode import accept_greedy
 
-__all__ = ["Logprob", "SamplerOutput", "Sampler", "apply_top_k_top_p", "sample", "top_logprobs", "verify_drafts"]
+__all__ = ["Logprob", "SamplerOutput", "Sampler", "MiniSampler", "apply_top_k_top_p", "sample", "top_logprobs",
+           "verify_drafts"]
 
 
 @dataclass(frozen=True)
@@ -117,11 +118,13 @@ def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> dict[int, Logpr
 
 
 class Sampler:
-    """The engine's sampler (an extension point: ``EngineConfig(sampler=...)``).
+    """The engine's sampler: its interface and shared helper (an extension point: ``EngineConfig(sampler=...)``).
 
     ``Sampler(device, seed)`` owns the generator of requests without a seed;
     calling it with a step's logits rows, their params and their generators
     returns the tokens (and the logprobs asked for, :meth:`logprobs`).
+    Exercise 07 subclasses it and writes ``__call__``; minivllm's own is
+    :class:`MiniSampler`'s.
     """
 
     def __init__(self, device, seed: int = 0):
@@ -129,10 +132,21 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SamplerOutput:
-        tokens = sample(logits, params, generators, self.generator)
-        return SamplerOutput(tokens, self.logprobs(logits, tokens, params))
+        """One token per row of ``logits [N, vocab]``: greedy rows the argmax; the others divided by their
+        temperature, filtered by top-k then top-p, and drawn with ``generators[i]`` (``self.generator`` when it is
+        None); with the logprobs asked for (:meth:`logprobs`). Exercise 07."""
+        raise NotImplementedError("not written yet: Sampler.__call__")
 
     def logprobs(self, logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list:
         """Per row, the sampled and most likely tokens' logprobs when its params ask (``logprobs=k``), else None."""
         return [None if p.logprobs is None else top_logprobs(logits[i], tokens[i], p.logprobs)
                 for i, p in enumerate(params)]
+
+
+class MiniSampler(Sampler):
+    """minivllm's own sampler (the engine's default ``sampler``): :func:`sample`, a batch at a time."""
+
+    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> SamplerOutput:
+        tokens = sample(logits, params, generators, self.generator)
+        return SamplerOutput(tokens, self.logprobs(logits, tokens, params))

@@ -49,6 +49,10 @@ registered in the prefix cache.
 Pure Python: no tensors here; the block copies to make (a fork's copy on
 write, swaps, the CPU offload tier's offloads and restores, chapter 14) are
 listed in the ``SchedulerOutput`` for the model runner.
+
+:class:`Scheduler` is the interface and the shared helpers (what exercises
+06, 09 and 10 subclass: the methods they write only raise there);
+:class:`MiniScheduler` is minivllm's own, the engine's default.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from minivllm.config import EngineConfig, resolve
 from minivllm.sequence import Sequence, SequenceStatus
 from minivllm.spec_decode import SpecDecodingStats, backoff_steps, propose_ngram
 
-__all__ = ["ScheduledChunk", "SchedulerOutput", "FCFSQueue", "PriorityQueue", "Scheduler"]
+__all__ = ["ScheduledChunk", "SchedulerOutput", "FCFSQueue", "PriorityQueue", "Scheduler", "MiniScheduler"]
 
 S = SequenceStatus
 
@@ -187,7 +191,14 @@ class PriorityQueue:
 
 
 class Scheduler:
-    """Decides every step's chunks (an extension point: ``EngineConfig(scheduler_cls=...)``)."""
+    """Decides every step's chunks: the scheduler's interface and shared helpers (an extension point:
+    ``EngineConfig(scheduler_cls=...)``).
+
+    Exercises 06, 09 and 10 subclass it and write :meth:`schedule_running`,
+    :meth:`schedule_waiting` (06), :meth:`num_new_tokens` (09),
+    :meth:`choose_victim` and :meth:`preempt` (10); here they only say what
+    they do. minivllm's own are :class:`MiniScheduler`'s, the engine's default.
+    """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
                  eos_token_ids: set[int] = frozenset(), kv_bytes_per_block: int = 0):
@@ -248,18 +259,31 @@ class Scheduler:
         self.step_index += 1
         return out
 
+    # -- what exercises 06, 09 and 10 write (minivllm's own: MiniScheduler) ----------------------
     def schedule_running(self, out: SchedulerOutput) -> None:
-        """Decodes, then running prefills, each best rank first; blocks are made by preempting lower ranks."""
-        order = sorted(self.running, key=lambda s: (s.status is not S.RUNNING, s.rank))
-        for i, seq in enumerate(order):
-            if seq not in self.running:  # preempted by a sequence before it in this loop
-                continue
-            n = self.num_new_tokens(seq, seq.cached_token_count, out)
-            drafts = self.propose(seq, n, out, len(order) - i - 1) if self.spec else []
-            if drafts and self.block_manager.allocate(seq, seq.cached_token_count + n + len(drafts)):
-                out.add(self.chunk(seq, n, drafts))  # the drafts' slots were free: nobody is preempted for them
-            elif n and self.reserve_blocks(seq, seq.cached_token_count + n, out):
-                out.add(self.chunk(seq, n))
+        """Decodes, then running prefills, each best rank first, each growing its blocks by
+        :meth:`reserve_blocks` (which preempts lower ranks). Exercise 06."""
+        raise NotImplementedError("not written yet: Scheduler.schedule_running")
+
+    def schedule_waiting(self, out: SchedulerOutput) -> None:
+        """Admit waiting sequences in queue order while they fit (the token, sequence and block budgets): each
+        one's prefix-cache hits and new blocks claimed in one ``allocate``, then :meth:`start`. Exercise 06."""
+        raise NotImplementedError("not written yet: Scheduler.schedule_waiting")
+
+    def num_new_tokens(self, seq: Sequence, cached: int, out: SchedulerOutput) -> int:
+        """How many of ``seq``'s uncomputed tokens (after its first ``cached``) run now, within the budget ``out``
+        leaves (0: it waits). Exercise 09."""
+        raise NotImplementedError("not written yet: Scheduler.num_new_tokens")
+
+    def choose_victim(self, requester: Sequence) -> Sequence | None:
+        """The lowest-ranked running sequence below ``requester``, unprotected ones first; None if none is below.
+        Exercise 10."""
+        raise NotImplementedError("not written yet: Scheduler.choose_victim")
+
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Release ``seq``'s device blocks: swap them to the CPU pool, or drop them to recompute later; counted.
+        Exercise 10."""
+        raise NotImplementedError("not written yet: Scheduler.preempt")
 
     def propose(self, seq: Sequence, n: int, out: SchedulerOutput, others: int) -> list[int]:
         """Drafts for a running decode row (chapter 17), within the budget left after one token for each of the
@@ -292,42 +316,10 @@ class Scheduler:
             self._count_swap(seq, len(pairs))
             self.start(seq, n, out)
 
-    def schedule_waiting(self, out: SchedulerOutput) -> None:
-        """Admit waiting sequences in queue order: prefix-cache hits and new blocks claimed in one step."""
-        bm = self.block_manager
-        while len(self.waiting) and self.has_room(out):
-            seq = self.waiting.peek()
-            hits = bm.lookup_prefix(seq)
-            restored = bm.lookup_offloaded(seq, len(hits)) if self.config.kv_offload_blocks else []
-            cached = (len(hits) + len(restored)) * bm.block_size
-            n = self.num_new_tokens(seq, cached, out)
-            # The watermark keeps headroom for running sequences (new ones only; none running, nothing to keep).
-            watermark = seq.metrics.first_scheduled_time is None and bool(self.running)
-            if not n or not bm.allocate(seq, cached + n, hits, watermark, *([restored] if restored else [])):
-                break  # first come, first served: nobody overtakes a request that does not fit
-            if restored:  # its KV arrives by this step's restore copies (chapter 14)
-                out.copied_into.append(seq)
-            self.waiting.pop()
-            seq.cached_token_count = cached
-            bm.record_prefix_lookup(seq, cached)
-            self.start(seq, n, out)
-
     def has_room(self, out: SchedulerOutput) -> bool:
         """Whether the step has a token and a seat left for one more sequence."""
         return out.num_batched_tokens < self.config.max_num_batched_tokens and \
             len(self.running) < self.config.max_num_seqs
-
-    def num_new_tokens(self, seq: Sequence, cached: int, out: SchedulerOutput) -> int:
-        """How many of ``seq``'s uncomputed tokens run now (0: it waits)."""
-        cfg = self.config
-        budget = cfg.max_num_batched_tokens - out.num_batched_tokens
-        n = seq.num_tokens - cached
-        if cfg.enable_chunked_prefill:
-            n = min(n, cfg.max_prefill_chunk_size)
-        if n <= budget:
-            return n
-        running = seq.status in (S.RUNNING, S.PREFILLING)
-        return budget if cfg.enable_chunked_prefill or running or n > cfg.max_num_batched_tokens else 0
 
     def start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         """Move a sequence (new, resumed or swapped in) into the running batch with its first chunk."""
@@ -354,31 +346,6 @@ class Scheduler:
             if victim is None:
                 return False
         return True
-
-    def choose_victim(self, requester: Sequence) -> Sequence | None:
-        """The lowest-ranked running sequence below ``requester``, unprotected ones first; None if none is below."""
-        below = [s for s in self.running if s.rank > requester.rank]
-        unprotected = [s for s in below if s.protected_until_step <= self.step_index]
-        return max(unprotected or below, key=lambda s: s.rank, default=None)
-
-    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Release ``seq``'s device blocks: swap them to the CPU pool, or drop them to recompute later."""
-        bm = self.block_manager
-        out.drop(seq)
-        self.running.remove(seq)
-        seq.metrics.num_preemptions += 1
-        self.num_preemptions += 1
-        out.preempted.append(seq)
-        if self.config.preemption_mode == "swap" and bm.can_swap_out(seq):
-            pairs = bm.swap_out(seq)
-            out.swap_out.extend(pairs)
-            self._count_swap(seq, len(pairs))
-            seq.status = S.SWAPPED
-            self.swapped.append(seq)
-        else:
-            seq.metrics.num_recomputed_tokens += seq.cached_token_count
-            self.num_recomputed_tokens += seq.cached_token_count
-            self._recompute_later(seq)
 
     def _recompute_later(self, seq: Sequence) -> None:
         """Forget ``seq``'s KV (device and CPU blocks) and queue it, first, to compute everything again."""
@@ -491,3 +458,73 @@ class Scheduler:
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return S.FINISHED_LENGTH
         return None
+
+
+class MiniScheduler(Scheduler):
+    """minivllm's own scheduler (the engine's default ``scheduler_cls``): exercise 06's passes, 09's chunk size and
+    10's preemption, and the drafts of chapter 17 in ``schedule_running``."""
+
+    def schedule_running(self, out: SchedulerOutput) -> None:
+        order = sorted(self.running, key=lambda s: (s.status is not S.RUNNING, s.rank))
+        for i, seq in enumerate(order):
+            if seq not in self.running:  # preempted by a sequence before it in this loop
+                continue
+            n = self.num_new_tokens(seq, seq.cached_token_count, out)
+            drafts = self.propose(seq, n, out, len(order) - i - 1) if self.spec else []
+            if drafts and self.block_manager.allocate(seq, seq.cached_token_count + n + len(drafts)):
+                out.add(self.chunk(seq, n, drafts))  # the drafts' slots were free: nobody is preempted for them
+            elif n and self.reserve_blocks(seq, seq.cached_token_count + n, out):
+                out.add(self.chunk(seq, n))
+
+    def schedule_waiting(self, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        while len(self.waiting) and self.has_room(out):
+            seq = self.waiting.peek()
+            hits = bm.lookup_prefix(seq)
+            restored = bm.lookup_offloaded(seq, len(hits)) if self.config.kv_offload_blocks else []
+            cached = (len(hits) + len(restored)) * bm.block_size
+            n = self.num_new_tokens(seq, cached, out)
+            # The watermark keeps headroom for running sequences (new ones only; none running, nothing to keep).
+            watermark = seq.metrics.first_scheduled_time is None and bool(self.running)
+            if not n or not bm.allocate(seq, cached + n, hits, watermark, *([restored] if restored else [])):
+                break  # first come, first served: nobody overtakes a request that does not fit
+            if restored:  # its KV arrives by this step's restore copies (chapter 14)
+                out.copied_into.append(seq)
+            self.waiting.pop()
+            seq.cached_token_count = cached
+            bm.record_prefix_lookup(seq, cached)
+            self.start(seq, n, out)
+
+    def num_new_tokens(self, seq: Sequence, cached: int, out: SchedulerOutput) -> int:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens - out.num_batched_tokens
+        n = seq.num_tokens - cached
+        if cfg.enable_chunked_prefill:
+            n = min(n, cfg.max_prefill_chunk_size)
+        if n <= budget:
+            return n
+        running = seq.status in (S.RUNNING, S.PREFILLING)
+        return budget if cfg.enable_chunked_prefill or running or n > cfg.max_num_batched_tokens else 0
+
+    def choose_victim(self, requester: Sequence) -> Sequence | None:
+        below = [s for s in self.running if s.rank > requester.rank]
+        unprotected = [s for s in below if s.protected_until_step <= self.step_index]
+        return max(unprotected or below, key=lambda s: s.rank, default=None)
+
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        out.drop(seq)
+        self.running.remove(seq)
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+        if self.config.preemption_mode == "swap" and bm.can_swap_out(seq):
+            pairs = bm.swap_out(seq)
+            out.swap_out.extend(pairs)
+            self._count_swap(seq, len(pairs))
+            seq.status = S.SWAPPED
+            self.swapped.append(seq)
+        else:
+            seq.metrics.num_recomputed_tokens += seq.cached_token_count
+            self.num_recomputed_tokens += seq.cached_token_count
+            self._recompute_later(seq)

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["propose_ngram", "accept_greedy", "backoff_steps", "MAX_BACKOFF_STEPS", "SpecAcceptor", "SpecDecodingStats"]
+__all__ = ["propose_ngram", "accept_greedy", "backoff_steps", "MAX_BACKOFF_STEPS", "SpecAcceptor", "MiniSpecAcceptor",
+           "SpecDecodingStats"]
 
 MAX_BACKOFF_STEPS = 8  # the longest a sequence whose drafts keep failing waits before it is drafted again
 
@@ -77,26 +78,52 @@ class SpecAcceptor:
     The model runner calls :meth:`accept` for a greedy row; the scheduler's
     ``update`` calls :meth:`commit` for every verified row; the engine, which
     owns the text, calls :meth:`cut_at_stop` when a stop string ends inside
-    the run. Exercise 17 has the reader write all four.
+    the run. The interface: exercise 17 subclasses it and writes all four;
+    minivllm's own are :class:`MiniSpecAcceptor`'s.
     """
 
     def __init__(self, block_manager):
         self.block_manager = block_manager
 
     def accept(self, draft: list[int], target: list[int]) -> list[int]:
-        """Greedy acceptance (:func:`accept_greedy`): ``target[i]`` is the model's argmax after ``draft[:i]``."""
-        return accept_greedy(draft, target)
+        """Greedy acceptance: ``target[i]`` is the model's argmax after the sequence and ``draft[:i]``; the drafts
+        up to the first mismatch, then the model's own token there (1 to ``len(draft) + 1`` tokens)."""
+        raise NotImplementedError("not written yet: SpecAcceptor.accept")
 
     def commit(self, seq, tokens: list[int], append) -> None:
         """Append ``tokens`` (the accepted drafts, then the bonus token) to ``seq``, then roll back.
 
         ``append(token)`` appends one token, applies stop tokens, EOS and
         ``max_tokens``, and returns True when that ended the request (its
-        blocks are then free). On entry ``seq.cached_token_count`` counts the
-        tokens before the drafts, whose KV the verification wrote in the next
-        slots: an accepted draft's KV is the sequence's own, the bonus token's
-        is not written yet.
+        blocks are then free). On entry ``seq.cached_token_count`` equals
+        ``seq.num_tokens``: every token of the sequence has its KV in the
+        pool, the last one's written by this very forward, which also wrote
+        each draft's KV in the slots after it. Once a draft is appended, its
+        KV is the sequence's: count it in ``seq.cached_token_count`` and
+        register the block it fills (never before the token is appended: a
+        block is cached under its tokens). The bonus token's KV is computed
+        next step. Then roll back to ``seq.cached_token_count``.
         """
+        raise NotImplementedError("not written yet: SpecAcceptor.commit")
+
+    def rollback(self, seq, num_tokens: int) -> None:
+        """Return ``seq``'s blocks past its first ``num_tokens`` tokens to the pool and cut them from its table."""
+        raise NotImplementedError("not written yet: SpecAcceptor.rollback")
+
+    def cut_at_stop(self, seq, new_tokens: list[int], i: int) -> list[int]:
+        """A stop string ended at ``new_tokens[i]``, this step's ``i``-th new token: plain decoding stops there, so
+        the tokens after it never happened. Returns the new tokens the request keeps."""
+        raise NotImplementedError("not written yet: SpecAcceptor.cut_at_stop")
+
+
+class MiniSpecAcceptor(SpecAcceptor):
+    """minivllm's own (the engine's default ``spec_acceptor_cls``): :func:`accept_greedy`, the append of the kept
+    tokens, ``BlockManager.truncate``."""
+
+    def accept(self, draft: list[int], target: list[int]) -> list[int]:
+        return accept_greedy(draft, target)
+
+    def commit(self, seq, tokens: list[int], append) -> None:
         for i, token in enumerate(tokens):
             if append(token):
                 return
@@ -106,12 +133,9 @@ class SpecAcceptor:
         self.rollback(seq, seq.cached_token_count)
 
     def rollback(self, seq, num_tokens: int) -> None:
-        """Return ``seq``'s blocks past its first ``num_tokens`` tokens to the pool (``BlockManager.truncate``)."""
         self.block_manager.truncate(seq, num_tokens)
 
     def cut_at_stop(self, seq, new_tokens: list[int], i: int) -> list[int]:
-        """A stop string ended at ``new_tokens[i]``, this step's ``i``-th new token: plain decoding stops there, so
-        the tokens after it never happened. Returns the new tokens the request keeps."""
         seq.drop_last_tokens(len(new_tokens) - i - 1)
         return new_tokens[:i + 1]
 

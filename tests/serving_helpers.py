@@ -8,7 +8,7 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from minivllm.sampler import Sampler
+from minivllm.sampler import MiniSampler
 
 
 def client(server, **kwargs) -> openai.OpenAI:
@@ -53,7 +53,7 @@ def sse_events(lines) -> list[dict | str]:
     return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines if line.startswith("data: ")]
 
 
-class FussySampler(Sampler):
+class FussySampler(MiniSampler):
     """Fails any batch that holds a row with temperature 0.7, as a sampler broken for one request would.
 
     The server loads it by name: ``--sampler serving_helpers.FussySampler`` (tests/ on PYTHONPATH)."""

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from minivllm import LLM
-from minivllm.block_manager import BlockManager
-from minivllm.scheduler import Scheduler
+from minivllm.block_manager import MiniBlockManager
+from minivllm.scheduler import MiniScheduler
 
 from helpers import greedy, run_engine
 
@@ -62,7 +62,7 @@ def test_core_functions_are_short(module):
     assert not long, f"functions over 40 lines in minivllm/{module}.py: {long}"
 
 
-class CountingBlockManager(BlockManager):
+class CountingBlockManager(MiniBlockManager):
     """A reader's block manager: minivllm's, counting its allocations."""
 
     allocations = 0
@@ -72,7 +72,7 @@ class CountingBlockManager(BlockManager):
         return super().allocate(seq, num_tokens, cached_blocks, watermark)
 
 
-class CountingScheduler(Scheduler):
+class CountingScheduler(MiniScheduler):
     """A reader's scheduler: minivllm's, counting its steps."""
 
     steps = 0
@@ -92,5 +92,5 @@ def test_extension_points_plug_in_subclasses_with_the_same_tokens():
     assert type(plugged.engine.block_manager) is CountingBlockManager
     assert run_engine(plugged, workload) == reference
     assert CountingScheduler.steps > 0 and CountingBlockManager.allocations > 0
-    by_name = LLM("tiny-random", scheduler_cls="minivllm.scheduler.Scheduler", **options)
+    by_name = LLM("tiny-random", scheduler_cls="minivllm.scheduler.MiniScheduler", **options)
     assert run_engine(by_name, workload) == reference

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from minivllm import LLM, LLMEngine, SamplingParams
-from minivllm.serving import AsyncLLM, EngineLoop, QueueFull, ServerShuttingDown
+from minivllm.serving import AsyncLLM, MiniEngineLoop, QueueFull, ServerShuttingDown
 
 from helpers import greedy
 
@@ -192,7 +192,7 @@ def test_a_busy_loop_refreshes_the_gauges_and_an_idle_one_makes_them_exact():
         llm.close()
 
 
-class CountingLoop(EngineLoop):
+class CountingLoop(MiniEngineLoop):
     """A reader's engine loop (exercise 13): minivllm's, counting its turns that stepped."""
 
     steps = 0
@@ -213,7 +213,8 @@ def test_loop_cls_plugs_in_an_engine_loop_subclass(offline):
         assert wait_until(lambda: idle(llm))
     finally:
         llm.close()
-    by_name = AsyncLLM(LLMEngine(model="tiny-random", **OPTIONS), loop_cls="minivllm.serving.engine_loop.EngineLoop")
+    by_name = AsyncLLM(LLMEngine(model="tiny-random", **OPTIONS),
+                       loop_cls="minivllm.serving.engine_loop.MiniEngineLoop")
     by_name.close()
     for bad in ("minivllm.serving.NoSuchLoop", LLMEngine):  # refused before the engine is built
         with pytest.raises(ValueError, match="loop_cls"):

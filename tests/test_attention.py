@@ -49,7 +49,7 @@ def test_split_by_padding_keeps_small_batches_whole_and_cuts_spread_ones():
 
 
 def test_decode_rows_stay_one_group_when_the_cache_reads_them_in_place():
-    from minivllm.attention import COMPILED, GATHER, PagedBatch, PagedKVCache
+    from minivllm.attention import COMPILED, GATHER, PagedBatch, MiniPagedKVCache
 
     lens = [16 * (1 + i % 20) for i in range(32)] + [40]  # 32 spread decode rows, then a 40-token prefill
     tables = [list(range(n // 16 + 1)) for n in lens]
@@ -59,15 +59,15 @@ def test_decode_rows_stay_one_group_when_the_cache_reads_them_in_place():
     assert len(split.groups) >= 3  # the gather cuts the decodes, and the prefill is a group of its own
     assert len(whole.groups) == 2 and whole.groups[0].block_tables.shape[0] == 32
     assert [sorted(g.out_index.tolist()) for g in whole.groups] == [list(range(32)), list(range(32, 72))]
-    assert not PagedKVCache(1, 4, 16, 1, 8, attention_kernel=COMPILED).splits_decode_rows
-    assert PagedKVCache(1, 4, 16, 1, 8, attention_kernel=GATHER).splits_decode_rows
+    assert not MiniPagedKVCache(1, 4, 16, 1, 8, attention_kernel=COMPILED).splits_decode_rows
+    assert MiniPagedKVCache(1, 4, 16, 1, 8, attention_kernel=GATHER).splits_decode_rows
 
 
 def _paged_step(ctx: list[int], qlen: list[int], seed: int = 0, cache_cls=None):
     """One paged-attention step over random KV: (output, per-sequence reference output, the batch)."""
     import random
 
-    from minivllm.attention import PagedBatch, PagedKVCache, attend, causal_chunk_mask
+    from minivllm.attention import PagedBatch, MiniPagedKVCache, attend, causal_chunk_mask
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -75,7 +75,7 @@ def _paged_step(ctx: list[int], qlen: list[int], seed: int = 0, cache_cls=None):
     free = list(range(1, 400))
     rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-c // bs))] for c in ctx]
-    cache = (cache_cls or PagedKVCache)(1, 400, bs, kv_heads, d)
+    cache = (cache_cls or MiniPagedKVCache)(1, 400, bs, kv_heads, d)
     full_k = [torch.randn(c, kv_heads, d) for c in ctx]
     full_v = [torch.randn(c, kv_heads, d) for c in ctx]
     for t, k, v, c, n in zip(tables, full_k, full_v, ctx, qlen):  # the cached part, before this step
@@ -132,7 +132,7 @@ def test_fresh_prompts_attend_causally_without_a_mask_and_equal_per_sequence_att
     ctx, qlen = [5, 17, 30, 64, 9, 40, 23], [5, 17, 30, 64, 1, 1, 1]  # four fresh prompts of spread lengths, decodes
     given = []
 
-    class OwnAttention(attention.PagedKVCache):
+    class OwnAttention(attention.MiniPagedKVCache):
         def _attend_group(self, g, *args):
             given.append(g.fresh)
             return super()._attend_group(g, *args)
@@ -141,8 +141,8 @@ def test_fresh_prompts_attend_causally_without_a_mask_and_equal_per_sequence_att
     assert sorted(given) == sorted(g.fresh for g in batch.groups) and any(given)
     assert (out - expected).abs().max().item() < 1e-5
 
-    attend_group, given = attention.PagedKVCache._attend_group, []
-    monkeypatch.setattr(attention.PagedKVCache, "_attend_group",
+    attend_group, given = attention.MiniPagedKVCache._attend_group, []
+    monkeypatch.setattr(attention.MiniPagedKVCache, "_attend_group",
                         lambda self, g, *args: given.append(g.fresh) or attend_group(self, g, *args))
     out, expected, batch = _paged_step(ctx, qlen, seed=2)
     fresh = [g for g in batch.groups if g.fresh]
@@ -152,7 +152,7 @@ def test_fresh_prompts_attend_causally_without_a_mask_and_equal_per_sequence_att
     assert given and not any(given)  # only the decode rows went through the gather: each prompt alone, unpadded
     assert not any(torch.float32 in g.built for g in fresh)  # the causal path: no mask built
     assert (out - expected).abs().max().item() < 1e-5
-    cache = attention.PagedKVCache(1, 8, 4, 2, 16)
+    cache = attention.MiniPagedKVCache(1, 8, 4, 2, 16)
     assert cache._attends_prompts_alone(torch.device("cpu"))
     assert not cache._attends_prompts_alone(torch.device("cuda"))  # a GPU: one padded call a group, not one a prompt
     monkeypatch.undo()

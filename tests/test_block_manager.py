@@ -2,7 +2,7 @@
 
 import pytest
 
-from minivllm.block_manager import BlockManager
+from minivllm.block_manager import MiniBlockManager
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
@@ -12,7 +12,7 @@ def seq(rid, tokens):
 
 
 def test_blocks_are_allocated_as_tokens_arrive():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = MiniBlockManager(num_blocks=8, block_size=4)
     s = seq("a", range(5))
     assert bm.allocate(s, 1) and len(s.block_table) == 1
     assert bm.allocate(s, 4) and len(s.block_table) == 1  # still fits in the first block
@@ -25,7 +25,7 @@ def test_blocks_are_allocated_as_tokens_arrive():
 
 
 def test_allocation_is_all_or_nothing():
-    bm = BlockManager(num_blocks=3, block_size=4)
+    bm = MiniBlockManager(num_blocks=3, block_size=4)
     a, b = seq("a", range(8)), seq("b", range(8))
     assert bm.allocate(a, 8)
     assert not bm.allocate(b, 8)  # needs 2, only 1 free
@@ -34,7 +34,7 @@ def test_allocation_is_all_or_nothing():
 
 
 def test_invariant_check_catches_a_leak_and_a_double_owner():
-    bm = BlockManager(num_blocks=4, block_size=2)
+    bm = MiniBlockManager(num_blocks=4, block_size=2)
     a = seq("a", range(3))
     bm.allocate(a, 3)
     with pytest.raises(AssertionError, match="ref count"):
@@ -53,7 +53,7 @@ def _computed(bm, s):
 
 
 def test_prefix_cache_shares_full_blocks_and_keeps_the_last_token():
-    bm = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
+    bm = MiniBlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     a = seq("a", range(10))
     _computed(bm, a)
     b = seq("b", list(range(10)) + [99])
@@ -70,7 +70,7 @@ def test_prefix_cache_shares_full_blocks_and_keeps_the_last_token():
 
 
 def test_freed_blocks_stay_cached_and_are_evicted_lru():
-    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    bm = MiniBlockManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     a = seq("a", [1, 2, 3, 4, 5])
     _computed(bm, a)
     bm.free(a)
@@ -89,8 +89,8 @@ def test_freed_blocks_stay_cached_and_are_evicted_lru():
 
 
 def test_hash_collisions_never_serve_wrong_blocks(monkeypatch):
-    monkeypatch.setattr(BlockManager, "chain_hash", staticmethod(lambda parent, tokens: 42))
-    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    monkeypatch.setattr(MiniBlockManager, "chain_hash", staticmethod(lambda parent, tokens: 42))
+    bm = MiniBlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
     a = seq("a", [1, 2, 3, 4, 5])
     _computed(bm, a)
     assert len(bm.hash_to_block) == 1  # everything collides: only the first block got the slot
@@ -103,7 +103,7 @@ def test_hash_collisions_never_serve_wrong_blocks(monkeypatch):
 
 def test_a_reused_parent_cuts_the_chain():
     """Once a prefix's first block is evicted and reused, its cached children are unreachable."""
-    bm = BlockManager(num_blocks=3, block_size=2, enable_prefix_caching=True)
+    bm = MiniBlockManager(num_blocks=3, block_size=2, enable_prefix_caching=True)
     a = seq("a", [1, 2, 3, 4, 0])
     _computed(bm, a)
     parent, child = a.block_table[:2]
@@ -118,7 +118,7 @@ def test_a_reused_parent_cuts_the_chain():
 
 
 def test_identical_new_prefixes_in_one_step_do_not_clash():
-    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    bm = MiniBlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
     a, b = seq("a", [1, 2, 3, 4, 5]), seq("b", [1, 2, 3, 4, 6])
     assert bm.match_prefix(a) == 0 and bm.match_prefix(b) == 0
     for s in (a, b):
@@ -135,7 +135,7 @@ def test_identical_new_prefixes_in_one_step_do_not_clash():
 
 def test_children_of_a_duplicate_block_link_to_the_registered_chain():
     """b computes the same first block as a (a duplicate), then its own second block: findable in full."""
-    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    bm = MiniBlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
     a, b = seq("a", [1, 2, 0]), seq("b", [1, 2, 5, 6, 0])
     for s in (a, b):
         bm.allocate(s, s.num_tokens)

@@ -7,7 +7,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from minivllm import LLM, EngineConfig
 from minivllm import attention
-from minivllm.attention import COMPILED, GATHER, PagedBatch, PagedKVCache, choose_attention_kernel
+from minivllm.attention import COMPILED, GATHER, PagedBatch, MiniPagedKVCache, choose_attention_kernel
 from minivllm.compiled_attention import CompiledDecodeAttention, batch_bucket, pad_to_bucket, paged_decode_attention
 
 from helpers import greedy, mixed_prompts, run_engine
@@ -24,7 +24,7 @@ def decode_case(lens, seed=0):
     """A pool with random KV, a decode batch of one query per row at ``lens`` (scattered, shared-free blocks)."""
     g = torch.Generator().manual_seed(seed)
     per_row = [n // BS + 1 for n in lens]
-    cache = PagedKVCache(1, sum(per_row) + 2, BS, KV_HEADS, DIM, attention_kernel=GATHER, num_queries_per_kv=GROUP)
+    cache = MiniPagedKVCache(1, sum(per_row) + 2, BS, KV_HEADS, DIM, attention_kernel=GATHER, num_queries_per_kv=GROUP)
     cache.k.copy_(torch.randn(cache.k.shape, generator=g))
     cache.v.copy_(torch.randn(cache.v.shape, generator=g))
     order = torch.randperm(sum(per_row), generator=g).tolist()
@@ -138,10 +138,10 @@ def test_compile_attention_is_checked():
 
 
 def test_warm_up_compiles_every_bucket_before_anything_is_timed():
-    cache = PagedKVCache(1, 8, BS, KV_HEADS, DIM, attention_kernel=COMPILED, num_queries_per_kv=GROUP)
+    cache = MiniPagedKVCache(1, 8, BS, KV_HEADS, DIM, attention_kernel=COMPILED, num_queries_per_kv=GROUP)
     seconds = cache.warm_up(5)
     assert cache.compiled.bucket_sizes == (1, 2, 4, 8) and seconds > 0
-    assert PagedKVCache(1, 8, BS, KV_HEADS, DIM, attention_kernel=GATHER).warm_up(5) == 0.0  # nothing to compile
+    assert MiniPagedKVCache(1, 8, BS, KV_HEADS, DIM, attention_kernel=GATHER).warm_up(5) == 0.0  # nothing to compile
 
 
 def test_a_servers_engine_compiles_every_bucket_before_it_takes_requests():

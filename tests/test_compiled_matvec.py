@@ -59,33 +59,6 @@ def test_decode_op_breakdown_files_the_compiled_matvec_under_matmuls():
     assert llm.engine.stats().num_running == 0  # the breakdown's requests are gone
 
 
-def test_time_compiled_decode_races_the_engines_decode_step_and_puts_the_rule_back(monkeypatch):
-    """The race runs what a decode step runs, attention included: compiled, each layer's whole step (attention in
-    place); eager, the layers' halves around the paged cache's attention. Each side once per layer per round."""
-    from minivllm.attention import PagedKVCache
-    from minivllm.models import load_model
-    from minivllm.models.llama import time_compiled_decode
-
-    model, _ = load_model("tiny-random", "cpu", compile_matvec=True)
-    calls = {"step": 0, "paged attention": 0}
-    step, attend = model.compiled_layers.step, PagedKVCache.forward
-
-    def counted(name, fn):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(model.compiled_layers, "step", counted("step", step))
-    monkeypatch.setattr(PagedKVCache, "forward", counted("paged attention", attend))
-    t = time_compiled_decode(model, 1, repeats=2)
-    assert set(t) == {"eager", "compiled"} and all(s > 0 for s in t.values())
-    layers = model.config.num_hidden_layers
-    assert calls == {"step": 3 * layers, "paged attention": 3 * layers}, calls  # a warm-up round, then 2
-    assert model.matvec_max_rows == MATVEC_MAX_ROWS
-    assert all(layer.compiled_max_rows == MATVEC_MAX_ROWS for layer in model.model.layers)
-
-
 def test_decode_only_steps_run_each_layer_whole_with_its_paged_attention():
     """compile_matvec: a decode-only step of one or two rows runs each layer as one compiled call, its paged
     attention (write_and_attend) inside, never the halves (those are for one- or two-row steps with a prefill,
@@ -115,14 +88,14 @@ def test_decode_only_steps_run_each_layer_whole_with_its_paged_attention():
 
 
 def test_a_readers_kv_cache_keeps_its_own_attention_under_compile_matvec():
-    """A PagedKVCache subclass with its own forward (exercise 05's backend) is never bypassed by the whole-layer
+    """A MiniPagedKVCache subclass with its own forward (exercise 05's backend) is never bypassed by the whole-layer
     step: its forward runs for every layer of every step, and the tokens are the eager engine's."""
     from minivllm import load_tokenizer
-    from minivllm.attention import PagedKVCache
+    from minivllm.attention import MiniPagedKVCache
 
     seen = []
 
-    class ReadersCache(PagedKVCache):
+    class ReadersCache(MiniPagedKVCache):
         def forward(self, layer, q, k, v, positions, batch):
             seen.append(q.shape[0])
             return super().forward(layer, q, k, v, positions, batch)

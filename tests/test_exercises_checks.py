@@ -20,7 +20,7 @@ import pytest
 import torch
 from exercise_cases import Check
 
-from minivllm.block_manager import BlockManager
+from minivllm.block_manager import MiniBlockManager
 from minivllm.exercises import check_kv_bytes_per_token, check_paged_waste
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
@@ -57,7 +57,7 @@ def waste(lengths, block_size):
 
 def waste_by_block_manager(lengths, block_size):
     """What the engine does: allocate each sequence, count the slots of its blocks."""
-    bm = BlockManager(sum(-(-n // block_size) for n in lengths) + 1, block_size)
+    bm = MiniBlockManager(sum(-(-n // block_size) for n in lengths) + 1, block_size)
     total = 0
     for i, n in enumerate(lengths):
         seq = Sequence(str(i), [0] * n, SamplingParams())

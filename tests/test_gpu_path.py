@@ -10,10 +10,10 @@ import torch
 
 from minivllm import LLM
 from minivllm import attention
-from minivllm.attention import GATHER, VARLEN, PagedBatch, PagedKVCache, choose_attention_kernel
+from minivllm.attention import GATHER, VARLEN, MiniPagedKVCache, PagedBatch, choose_attention_kernel
 from minivllm.config import EngineConfig, resolve_dtype
 from minivllm.copy_stream import BlockCopier
-from minivllm.cuda_graphs import DecodeGraphRunner, bucket_for, capture_sizes
+from minivllm.cuda_graphs import MiniDecodeGraphRunner, bucket_for, capture_sizes
 from minivllm.model_runner import StepInputs
 
 from helpers import greedy, run_engine
@@ -139,7 +139,7 @@ def test_capture_sizes_and_buckets():
 
 
 def test_padding_rows_with_slot_minus_one_write_nothing():
-    cache = PagedKVCache(2, 8, 4, 2, 8)
+    cache = MiniPagedKVCache(2, 8, 4, 2, 8)
     before_k, before_v = cache.k.clone(), cache.v.clone()
     tables = torch.tensor([[2, 3], [0, 0], [0, 0]])
     batch = PagedBatch.for_decode(tables, torch.tensor([6, 1, 1]), torch.tensor([13, -1, -1]), 4, 2)
@@ -175,7 +175,7 @@ def test_graph_runner_replay_gives_the_unpadded_engines_tokens():
     assert graphs.num_eager == len(seen) and graphs.num_replays == 0
 
 
-class CountingGraphRunner(DecodeGraphRunner):
+class CountingGraphRunner(MiniDecodeGraphRunner):
     loads = 0
 
     def load(self, inputs):
@@ -189,7 +189,7 @@ def test_graph_runner_cls_plugs_in_a_subclass_by_class_or_name():
     reference = run_engine(plain, _varying_batches(4))
     kw = dict(block_size=4, num_blocks=200, max_num_seqs=8, device="cpu")
     for cls, built in ((CountingGraphRunner, CountingGraphRunner),
-                       ("minivllm.cuda_graphs.DecodeGraphRunner", DecodeGraphRunner)):
+                       ("minivllm.cuda_graphs.MiniDecodeGraphRunner", MiniDecodeGraphRunner)):
         llm = LLM("tiny-random", graph_runner_cls=cls, **kw)
         assert llm.engine.runner.enable_decode_graphs(8, llm.engine.max_model_len, capture=False)
         assert type(llm.engine.runner.graph_runner) is built
@@ -219,8 +219,8 @@ def test_padded_rows_are_never_sampled_and_buffers_stay_in_place():
 def test_a_replay_never_writes_a_slot_left_from_an_earlier_step(tiny):
     """The rule against freeing blocks out of step with graph slots: every replay rewrites all its rows' slots."""
     model, _ = tiny
-    cache = PagedKVCache.for_model(model, 16, 4)
-    graphs = DecodeGraphRunner(model, cache, 4, 4, 64, 2)
+    cache = MiniPagedKVCache.for_model(model, 16, 4)
+    graphs = MiniDecodeGraphRunner(model, cache, 4, 4, 64, 2)
 
     def step(n, first_slot):
         return StepInputs([7] * n, [5] * n, [first_slot + 4 * i for i in range(n)], [[1 + i, 5 + i] for i in range(n)],
@@ -235,7 +235,7 @@ def test_a_replay_never_writes_a_slot_left_from_an_earlier_step(tiny):
 
 
 def test_graphs_refused_for_a_backend_that_does_not_skip_padding_slots():
-    class ReadersCache(PagedKVCache):
+    class ReadersCache(MiniPagedKVCache):
         def forward(self, layer, q, k, v, positions, batch):
             return super().forward(layer, q, k, v, positions, batch)
 
@@ -288,7 +288,7 @@ def test_check_gpus_padding_part_passes_the_real_runner_and_catches_a_stale_padd
     good = check_gpu.check_padding("tiny-random", device="cpu")
     assert good["ok"] and set(good["slots_written"]) - {good["scratch_slot"]} == {41, 45, 49}, good
     stale = {}
-    load = DecodeGraphRunner.load
+    load = MiniDecodeGraphRunner.load
 
     def keeps_old_slots(self, inputs):  # padding rows keep the previous step's slots instead of -1
         b, n = load(self, inputs), len(inputs.query_lens)
@@ -297,7 +297,7 @@ def test_check_gpus_padding_part_passes_the_real_runner_and_catches_a_stale_padd
         stale["slots"] = self.slot_mapping[:b].tolist()
         return b
 
-    monkeypatch.setattr(DecodeGraphRunner, "load", keeps_old_slots)
+    monkeypatch.setattr(MiniDecodeGraphRunner, "load", keeps_old_slots)
     bad = check_gpu.check_padding("tiny-random", device="cpu")
     assert not bad["ok"] and 33 in bad["slots_written"], bad
 
@@ -315,9 +315,9 @@ def test_a_backend_that_cannot_be_captured_decodes_eagerly_with_a_warning_naming
         self.graphs[8] = "half-recorded"
         raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore")
 
-    monkeypatch.setattr(DecodeGraphRunner, "_record_graphs", fails)
+    monkeypatch.setattr(MiniDecodeGraphRunner, "_record_graphs", fails)
     llm = LLM("tiny-random", block_size=4, num_blocks=200, max_num_seqs=8, device="cpu")
-    with pytest.warns(RuntimeWarning, match="capture failed with the attention backend PagedKVCache .*"
+    with pytest.warns(RuntimeWarning, match="capture failed with the attention backend MiniPagedKVCache .*"
                                             "operation not permitted when stream is capturing.*run eagerly"):
         assert llm.engine.runner.enable_decode_graphs(8, llm.engine.max_model_len, capture=True)
     graphs = llm.engine.runner.graph_runner

@@ -3,10 +3,10 @@
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.block_manager import BlockManager
+from minivllm.block_manager import MiniBlockManager
 from minivllm.config import EngineConfig
 from minivllm.exercises.live import chat_prompts
-from minivllm.kv_tier import OffloadTier
+from minivllm.kv_tier import MiniOffloadTier
 from minivllm.sequence import Sequence
 
 from helpers import greedy, run_engine
@@ -82,7 +82,7 @@ def test_tier_with_swap_preemption_and_forks_is_exact():
 
 # -- the tier's own bookkeeping, without a model ---------------------------------------------------
 def test_tier_lru_drop_and_pins():
-    tier = OffloadTier(2)
+    tier = MiniOffloadTier(2)
     a, b, c = (1,) * 4, (2,) * 4, (3,) * 4
     assert tier.put(10, a) == 0 and tier.put(20, b) == 1
     assert tier.put(10, a) is None  # already there: a touch, no copy
@@ -112,7 +112,7 @@ def finish(bm, s, n):
 
 
 def test_block_manager_offloads_on_eviction_and_restores_atomically():
-    bm = BlockManager(4, 4, enable_prefix_caching=True, num_offload_blocks=8)
+    bm = MiniBlockManager(4, 4, enable_prefix_caching=True, num_offload_blocks=8)
     a = seq(0, range(13))  # 3 full blocks + 1 token
     assert bm.allocate(a, 13)
     finish(bm, a, 13)
@@ -137,7 +137,7 @@ def test_block_manager_offloads_on_eviction_and_restores_atomically():
 
 
 def test_interrupted_step_forgets_unwritten_offloads():
-    bm = BlockManager(3, 4, enable_prefix_caching=True, num_offload_blocks=4)
+    bm = MiniBlockManager(3, 4, enable_prefix_caching=True, num_offload_blocks=4)
     a = seq(0, range(9))
     assert bm.allocate(a, 9)
     finish(bm, a, 8)
@@ -150,7 +150,7 @@ def test_interrupted_step_forgets_unwritten_offloads():
     bm.check_invariants([b])
 
 
-class CountingTier(OffloadTier):
+class CountingTier(MiniOffloadTier):
     restores = 0
 
     def restore(self, h):
@@ -168,7 +168,7 @@ def test_offload_tier_cls_plugs_in_a_subclass_by_class_or_name():
     assert type(plugged.engine.block_manager.tier) is CountingTier
     outs, stats = run_all(plugged, requests)
     assert outs == reference and CountingTier.restores == stats.num_restored_blocks > 0
-    by_name = LLM("tiny-random", offload_tier_cls="minivllm.kv_tier.OffloadTier", **kw)
+    by_name = LLM("tiny-random", offload_tier_cls="minivllm.kv_tier.MiniOffloadTier", **kw)
     assert run_all(by_name, requests)[0] == reference
     with pytest.raises(ValueError, match="offload_tier_cls"):
         EngineConfig(model="tiny-random", offload_tier_cls="minivllm.kv_tier.NoSuchTier")

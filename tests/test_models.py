@@ -80,7 +80,7 @@ def test_a_packed_model_multiplies_up_to_plain_max_rows_through_the_row_major_we
     packed, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
     if packed.lm_head.packed is None:
         pytest.skip("oneDNN weight packing is not available here")
-    assert 0 <= packed.plain_max_rows <= PLAIN_MATMUL_MAX_ROWS == 3  # measured at load (plain_rows_that_win)
+    assert packed.plain_max_rows == PLAIN_MATMUL_MAX_ROWS == 3  # the rule, the same on every machine
     measured = packed.plain_max_rows
     linear, onednn = torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise
     attn, mlp = packed.model.layers[2].self_attn, packed.model.layers[2].mlp
@@ -107,61 +107,37 @@ def test_a_packed_model_multiplies_up_to_plain_max_rows_through_the_row_major_we
             m.plain_max_rows = measured
 
 
-@pytest.mark.parametrize("plain_share, expected", [
-    ({1: 0.5, 2: 0.6, 3: 0.7}, 3),   # plain clearly faster at every row count (the Intel Xeon's case)
-    ({1: 0.5, 2: 0.95, 3: 0.5}, 1),  # 2 rows within the margin: plain stops there, whatever 3 does
-    ({1: 1.4, 2: 0.5, 3: 0.5}, 0),   # plain slower at one row (the AMD EPYC's MKL): packed everywhere
-    ({1: 0.9, 2: 0.9, 3: 0.9}, 3),   # exactly the margin counts as a win
-])
-def test_plain_rows_that_win_keeps_the_plain_layout_only_while_it_is_clearly_faster(monkeypatch, plain_share, expected):
+def test_the_layout_and_the_compiled_rows_are_rules_never_timed(monkeypatch):
+    """Which kernel multiplies a row decides its rounding, so no load times one against another (issue 61): with
+    every clock of the process frozen, packing keeps the plain layout for PLAIN_MATMUL_MAX_ROWS rows and
+    compile_matvec takes MATVEC_MAX_ROWS, as always; set_plain_rows pins another split, within its range."""
+    import time as time_module
+
     from minivllm.models import llama
 
-    timed = []
-
-    def fake(pairs, rows, repeats=5):
-        (r,) = rows
-        timed.append((r, len(pairs)))
-        return {r: {"plain": plain_share[r], "packed": 1.0}}
-
-    monkeypatch.setattr(llama, "time_layouts", fake)
-    pairs = [(torch.zeros(1024, 1024), None)] * 40  # 4 MiB each: 16 of them reach the 64 MiB that are timed
-    assert llama.plain_rows_that_win(pairs) == expected
-    assert timed == [(r, 16) for r in range(1, min(expected + 1, 3) + 1)]  # in turn, up to the first that loses
-    timed.clear()
-    assert llama.plain_rows_that_win(pairs[:15]) == llama.PLAIN_MATMUL_MAX_ROWS and timed == []  # 60 MiB: cache-sized
-
-
-@pytest.mark.parametrize("compiled_share,expected", [
-    ({1: 0.6, 2: 0.6}, 2),   # the AMD EPYC's case: the compiled decode beats the layouts at one and two rows
-    ({1: 0.6, 2: 0.97}, 1),  # two rows outside the margin (0.95): one row only
-    ({1: 1.2, 2: 0.5}, 0),   # slower at one row: none, whatever two rows do
-    ({1: 0.95, 2: 0.95}, 2),  # exactly the margin counts as a win
-    ({1: 0.92, 2: 1.0}, 1),  # within 0.95 but not 0.9 (the layouts' margin): the race's own margin decides
-])
-def test_compile_matvec_takes_the_rows_where_the_compiled_decode_is_clearly_faster(monkeypatch, compiled_share,
-                                                                                   expected):
-    """compile_matvec's rule, on faked timings of the compiled decode against the eager one: in turn up to the
-    first row count that loses; the rule reaches every matmul (the layers, not compiled here, stay eager)."""
-    from minivllm.models import llama
+    def frozen():
+        raise AssertionError("a model load read the clock to choose a kernel")
 
     model, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
-    raced = []
-
-    def fake(model_, rows, repeats=5):
-        raced.append(rows)
-        return {"eager": 1.0, "compiled": compiled_share[rows]}
-
-    monkeypatch.setattr(llama, "time_compiled_decode", fake)
+    if model.lm_head.packed is None:
+        pytest.skip("oneDNN weight packing is not available here")
     monkeypatch.setattr(llama.CompiledMatvec, "__init__", lambda self: setattr(self, "compile_seconds", 0.0))
     monkeypatch.setattr(llama.CompiledMatvec, "__call__", lambda self, x, w: torch.nn.functional.linear(x, w))
     monkeypatch.setattr(llama.LlamaForCausalLM, "_compile_layers", lambda self, rows: None)  # no compiling here
+    for name in ("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns"):
+        monkeypatch.setattr(time_module, name, frozen)
     try:  # the model is load_model's shared one: put it back as it was
-        assert model.compile_matvec() == expected == model.matvec_max_rows
-        assert raced == list(range(1, min(expected + 1, 2) + 1))
-        assert all(m.matvec_max_rows == expected and m.matvec is model.matvec for m in model.matmuls())
-        assert all(layer.compiled_max_rows == 0 for layer in model.model.layers)
+        assert model.pack_weights() and model.plain_max_rows == llama.PLAIN_MATMUL_MAX_ROWS
+        assert all(m.plain_max_rows == llama.PLAIN_MATMUL_MAX_ROWS for m in model.packed_matmuls())
+        assert model.compile_matvec() == llama.MATVEC_MAX_ROWS == model.matvec_max_rows
+        assert all(m.matvec_max_rows == llama.MATVEC_MAX_ROWS for m in model.matmuls())
+        model.set_plain_rows(0)
+        assert all(m.plain_max_rows == 0 for m in model.packed_matmuls())
+        with pytest.raises(ValueError, match="rows must be in 0..3"):
+            model.set_plain_rows(4)
     finally:
         model.compile_matvec(max_rows=0)
+        model.set_plain_rows(llama.PLAIN_MATMUL_MAX_ROWS)
     assert model.matvec is None and all(m.matvec is None for m in model.matmuls())
 
 

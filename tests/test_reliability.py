@@ -5,7 +5,7 @@ import threading
 import pytest
 
 from minivllm import LLM, EngineConfig, SamplingParams
-from minivllm.sampler import Sampler
+from minivllm.sampler import MiniSampler
 
 from helpers import greedy, run_engine
 
@@ -145,7 +145,7 @@ def test_an_interrupted_generate_leaves_nothing_behind(llm, monkeypatch, alone):
 
 
 # -- 3. isolation: one failing request, the others go on -----------------------------------------
-class FussySampler(Sampler):
+class FussySampler(MiniSampler):
     """Fails any batch holding a row with temperature 0.7, as a broken sampler for one request would."""
 
     def __call__(self, logits, params, generators):

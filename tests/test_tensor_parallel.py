@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minivllm import LLM, EngineConfig, SamplingParams
-from minivllm.attention import PagedKVCache
+from minivllm.attention import MiniPagedKVCache
 from minivllm.bench.server_process import free_port
 from minivllm.distributed import WorkerError
 from minivllm.distributed.protocol import StepMessage, decode, encode
@@ -242,7 +242,7 @@ def test_a_killed_worker_makes_the_engine_raise_and_stop_the_others():
     llm.shutdown()  # idempotent
 
 
-class FailsOnRank1(PagedKVCache):
+class FailsOnRank1(MiniPagedKVCache):
     """A KV cache that raises on rank 1 once prompts are longer than 20 tokens: a worker failing mid-step."""
 
     def forward(self, layer, q, k, v, positions, batch):

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from minivllm import LLM
@@ -23,10 +24,10 @@ from minivllm.bench.baselines import _hf_generation_config, hf_generate_batch, s
 from minivllm.bench.metrics import RequestTimes, ServingMetrics, serving_metrics
 from minivllm.bench.trace import StepRecord, replay, warm_up
 from minivllm.bench.workloads import Workload, _exactly, random_workload
-from minivllm.block_manager import BlockManager
+from minivllm.block_manager import MiniBlockManager
 from minivllm.config import cdiv
 from minivllm.models import load_model
-from minivllm.models.llama import MATVEC_EVENT, MATVEC_MAX_ROWS, Linear, time_layouts
+from minivllm.models.llama import MATVEC_EVENT, MATVEC_MAX_ROWS, Linear
 from minivllm.simple_generation import generate_cached, generate_naive
 from minivllm.timing import Timer, now
 
@@ -225,7 +226,7 @@ def run_ladder(workload: Workload, model: str = "smollm2-135m", device=None, bat
     return [runs[r]() for r in rungs]
 
 
-class ReservingBlockManager(BlockManager):
+class ReservingBlockManager(MiniBlockManager):
     """Continuous batching without paging's point: a request claims room for prompt + max_tokens when admitted.
 
     That is a contiguous cache's reservation (chapter 03), counted in blocks,
@@ -331,9 +332,25 @@ def matmul_layouts(model, rows=(1, 2, 4, 16), repeats: int = 5) -> dict[int, dic
     """
     if model.lm_head.packed is None:
         raise ValueError("matmul_layouts needs a model with packed weights (pack_weights=True, float32 on the CPU)")
+    pairs = model.layout_pairs()
+    run = {"plain": lambda xs: [F.linear(xs[w.shape[1]], w) for w, _ in pairs],
+           "packed": lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                                 for w, p in pairs]}
+    out = {}
     with torch.inference_mode():
-        return {r: time_layouts(model.layout_pairs(), [r], repeats, model.matvec if r <= MATVEC_MAX_ROWS else None)[r]
-                for r in rows}
+        for r in rows:
+            kernels = dict(run)
+            if model.matvec is not None and r <= MATVEC_MAX_ROWS:
+                kernels["compiled"] = lambda xs: [model.matvec(xs[w.shape[1]], w) for w, _ in pairs]
+            xs = {k: torch.randn(r, k, dtype=pairs[0][0].dtype) for k in {w.shape[1] for w, _ in pairs}}
+            times = {name: [] for name in kernels}
+            for _ in range(repeats + 1):  # alternating, after one warm-up round
+                for name, matmuls in kernels.items():
+                    start = time.perf_counter()
+                    matmuls(xs)
+                    times[name].append(time.perf_counter() - start)
+            out[r] = {name: statistics.median(t[1:]) for name, t in times.items()}
+    return out
 
 
 def roofline(model, workload: Workload, limits: MachineLimits) -> dict:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.attention import PagedKVCache
+from minivllm.attention import MiniPagedKVCache
 from minivllm.bench.cli import bench_parser, offline_env, positive_int
 from minivllm.bench.trace import warm_up
 from minivllm.bench.workloads import random_workload
@@ -63,7 +63,7 @@ def run_cycling(prompts: list[list[int]], model: str, num_blocks: int, kv_offloa
 def restore_seconds_per_block(llm: LLM, num_blocks: int = 32, repeats: int = 5) -> float:
     """Median time to copy ``num_blocks`` blocks from the host tier into the device pool, per block (a spare pool)."""
     model, bs = llm.engine.model, llm.engine.config.block_size
-    cache = PagedKVCache.for_model(model, num_blocks, bs, 0, num_offload_blocks=num_blocks)
+    cache = MiniPagedKVCache.for_model(model, num_blocks, bs, 0, num_offload_blocks=num_blocks)
     pairs = [(i, i) for i in range(num_blocks)]
     device = llm.engine.runner.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

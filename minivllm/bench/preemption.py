@@ -8,7 +8,7 @@ import statistics
 import torch
 
 from minivllm import LLM
-from minivllm.attention import ContiguousKVCache, PagedKVCache
+from minivllm.attention import ContiguousKVCache, MiniPagedKVCache, PagedKVCache
 from minivllm.bench.cli import (add_min_max, bench_parser, check_token_budget, offline_env, positive_int, probability,
                                 watermark_fraction)
 from minivllm.bench.metrics import tpot
@@ -128,7 +128,7 @@ def measure_preemption_costs(model, block_size: int = 16, num_blocks: int = 64, 
     if device.type == "cuda":
         result["pinned_gbps"] = measure_copy_gbps(nbytes, device, pinned=True)
         result["pageable_gbps"] = measure_copy_gbps(nbytes, device, pinned=False)
-        cache = PagedKVCache.for_model(model, num_blocks, block_size, num_cpu_blocks=num_blocks)
+        cache = MiniPagedKVCache.for_model(model, num_blocks, block_size, num_cpu_blocks=num_blocks)
         pairs = [(i, i) for i in range(num_blocks)]
         times = []
         for _ in range(4):

@@ -286,11 +286,11 @@ class PrefillWorker(Worker):
         self.drain()  # an abort that came meanwhile: nothing is sent (the blocks were released)
         if rid not in held(self.engine):
             return
-        errors = []
+        failures = []  # fail(error)'s message, written when it is called: whether the blocks are free by then
         ack = self.handoff.transfer(rid, lambda: self.send(rid, header), lambda: release(self.engine, rid),
-                                    errors.append)
-        if errors:
-            self.conn.send(("failed", rid, self.failure(rid, errors[0]), True))  # the link failed: retryable
+                                    lambda error: failures.append(self.failure(rid, error)))
+        if failures:
+            self.conn.send(("failed", rid, failures[0], True))  # the link failed: retryable
         elif ack is not None:
             self.conn.send(("sent", rid, ack))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.attention import PagedKVCache
+from minivllm.attention import MiniPagedKVCache
 from minivllm.distributed import protocol
 from minivllm.distributed.workers import Workers, memory_report
 from minivllm.model_runner import ModelRunner, StepInputs, _noop_mark
@@ -27,7 +27,7 @@ class TensorParallelRunner(ModelRunner):
     """A ModelRunner whose every step is also run by the worker ranks (rank 0's side)."""
 
     def __init__(self, workers: Workers, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 kv_cache_cls=PagedKVCache, sampler=None):
+                 kv_cache_cls=MiniPagedKVCache, sampler=None):
         super().__init__(model, num_blocks, block_size, num_cpu_blocks, kv_cache_cls, sampler)
         self.workers = workers
         own = memory_report(self)

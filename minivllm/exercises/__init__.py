@@ -1,9 +1,13 @@
 """The check functions of each chapter's exercise: the reader's part against minivllm's own.
 
-Each check runs the reader's part (an engine part with minivllm's interface,
-or a function) on small targeted inputs, and raises ``AssertionError`` naming
-the input, the first place where it differs from minivllm and, for a known
-mistake, a hint; the engine parts then run inside the live engine
+Each check first asks whether the part is the reader's own: a class part's
+methods must be defined by the reader's class (one still a stub, or inherited
+from minivllm's own ``Mini...`` class, is ``NotImplementedError("not written
+yet: Class.method")``). Then it runs the part (an engine part with minivllm's
+interface, or a function) on small targeted inputs and raises
+``AssertionError`` at the first failure, naming the input, the first place
+where it differs from minivllm and, for a known mistake, a hint; then, unless
+``live=False``, the part runs inside the live engine
 (:mod:`minivllm.exercises.live`). It prints one line when all pass. One
 module per chapter; this package re-exports every check, so notebooks write
 ``from minivllm.exercises import check_block_manager``.

@@ -189,7 +189,7 @@ def _check_live_latencies(fn) -> int:
     return compared
 
 
-def check_request_latencies(fn) -> None:
+def check_request_latencies(fn, live: bool = True) -> None:
     """Check ``fn(metrics) -> dict`` with keys ``ttft``, ``tpot``, ``itl``, ``e2e`` (chapter 11).
 
     ``metrics`` is a request's ``RequestMetrics`` (``RequestOutput.metrics``):
@@ -198,13 +198,16 @@ def check_request_latencies(fn) -> None:
     ``t_1 - arrival``, ITL the ``n - 1`` gaps, TPOT ``(t_n - t_1) / (n - 1)``,
     E2E ``t_n - arrival``; a request with no token has none of them, TPOT and
     E2E are None until it finishes, and TPOT with one token. Compared with
-    :mod:`minivllm.bench.metrics` on hand-made and random requests, then on
-    every request of an online run of the engine, after every step.
+    :mod:`minivllm.bench.metrics` on hand-made and random requests (the first
+    failure stops the check), then, unless ``live=False``, on every request
+    of an online run of the engine, after every step.
     """
     cases = _latency_cases()
     for m in cases:
         _compare(fn, m, _describe(m))
     print(f"check_request_latencies: all {len(cases)} requests match minivllm.bench (vLLM's definitions).")
+    if not live:
+        return
     compared = _check_live_latencies(fn)
     print(f"check_request_latencies: the live engine's online run ({len(online_run()['trace'].metrics)} requests, "
           f"{compared} snapshots while waiting, running and finished) matches minivllm.bench too.")
@@ -288,7 +291,7 @@ def _check_goodput_case(fn, requests, duration, ttft_limit, tpot_limit, what: st
     raise AssertionError(f"{what}:\n  expected {expected!r} requests/s\n  got      {got!r}\n  {hint}")
 
 
-def check_goodput(fn) -> None:
+def check_goodput(fn, live: bool = True) -> None:
     """Check ``fn(requests, duration, ttft_limit=None, tpot_limit=None) -> float``, vLLM's goodput (chapter 11).
 
     ``requests`` are requests' metrics (``RequestOutput.metrics``). Goodput is
@@ -296,8 +299,8 @@ def check_goodput(fn) -> None:
     whose TTFT is at most ``ttft_limit`` and whose TPOT is at most
     ``tpot_limit`` (None: no limit; a one-token request has no TPOT and passes
     it). Compared with :func:`minivllm.bench.goodput` on hand-made and random
-    cases, then on the engine's online run with limits exactly at a request's
-    values.
+    cases (the first failure stops the check), then, unless ``live=False``, on
+    the engine's online run with limits exactly at a request's values.
     """
     cases = _goodput_cases()
     for k, (requests, duration, ttft_limit, tpot_limit) in enumerate(cases):
@@ -309,6 +312,8 @@ def check_goodput(fn) -> None:
                 + ("" if r.finish_time is not None else ", not finished") for r in requests) + ")"
         _check_goodput_case(fn, requests, duration, ttft_limit, tpot_limit, what)
     print(f"check_goodput: all {len(cases)} cases match minivllm.bench.goodput.")
+    if not live:
+        return
     trace = online_run()["trace"]
     requests = list(trace.metrics.values())
     ttfts = sorted(ttft(r) for r in requests)

@@ -4,14 +4,16 @@
 
 from __future__ import annotations
 
-from minivllm.block_manager import BlockManager, slots
-from minivllm.exercises._common import _as_id_list
+from minivllm.block_manager import MiniBlockManager, slots
+from minivllm.exercises._common import _as_id_list, own_part
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
-__all__ = ["check_block_manager", "check_slot_mapping"]
+__all__ = ["check_block_manager", "check_slot_mapping", "METHODS"]
+
+METHODS = ("allocate", "free", "slot_mapping")  # what exercise 04 writes
 
 
 _SLOT_CASES = [  # (block_table, start, end, block_size)
@@ -136,7 +138,7 @@ def _check_watermark(cls) -> None:
 
 def _cached(bm, seq, num_tokens: int) -> list[int]:
     """Give ``seq`` blocks for ``num_tokens`` tokens and register them in the prefix cache (minivllm's own methods)."""
-    BlockManager.allocate(bm, seq, num_tokens)
+    MiniBlockManager.allocate(bm, seq, num_tokens)
     seq.cached_token_count = num_tokens
     bm.register_computed_blocks(seq)
     return list(seq.block_table)
@@ -152,8 +154,8 @@ def _check_cached_blocks_cost(cls) -> None:
     _invariants(bm, [a, b], "sharing held cached blocks")
     bm, a, b, c = cls(4, 4, enable_prefix_caching=True), _seq("a", 8), _seq("b", 4), _seq("c", 16)
     unowned = _cached(bm, a, 8)
-    BlockManager.free(bm, a)  # a's two blocks stay cached, held by nobody (evictable), counted as free
-    BlockManager.allocate(bm, b, 4)
+    MiniBlockManager.free(bm, a)  # a's two blocks stay cached, held by nobody (evictable), counted as free
+    MiniBlockManager.allocate(bm, b, 4)
     what = (f"allocate(c, 16, cached_blocks={unowned}) where nobody holds those cached blocks, with "
             f"num_free_blocks = 3 (the 2 cached ones included) and 2 new blocks needed")
     hint = ("claiming a cached block nobody holds takes a free block too: it is counted in num_free_blocks until "
@@ -183,7 +185,7 @@ def _check_free(cls) -> None:
             "end free with self.forget(seq): it drops the sequence's prefix-cache links (and its swap space)")
     bm, a = cls(8, 4, num_cpu_blocks=4), _seq("a", 8)
     bm.allocate(a, 8)
-    BlockManager.swap_out(bm, a)  # preempted to the swap space (chapter 10), then aborted
+    bm.swap_out(a)  # preempted to the swap space (chapter 10), then aborted
     bm.free(a)
     _expect(len(bm.free_cpu_blocks) == 4 and a.cpu_block_table == [],
             "free(a) of a sequence swapped out to the CPU (chapter 10)",
@@ -196,9 +198,9 @@ def _check_restored(cls) -> None:
     """Chapter 14's CPU tier: the scheduler passes restored (tier hashes) as allocate's fifth argument."""
     bm, a, b = cls(4, 4, enable_prefix_caching=True, num_offload_blocks=4), _seq("a", 9), _seq("b", 16)
     _cached(bm, a, 9)
-    BlockManager.free(bm, a)
-    BlockManager.allocate(bm, b, 16)  # evicts a's two cached blocks: their KV goes to the tier
-    BlockManager.free(bm, b)
+    MiniBlockManager.free(bm, a)
+    MiniBlockManager.allocate(bm, b, 16)  # evicts a's two cached blocks: their KV goes to the tier
+    MiniBlockManager.free(bm, b)
     bm.take_tier_copies()
     again = _seq("a2", 9)
     restored = bm.lookup_offloaded(again, 0)
@@ -217,15 +219,18 @@ def _check_restored(cls) -> None:
     _invariants(bm, [again], "restoring from the tier")
 
 
-def check_block_manager(cls) -> None:
+def check_block_manager(cls, live: bool = True) -> None:
     """Check a ``BlockManager`` subclass's ``allocate``, ``free`` and ``slot_mapping`` (chapter 04).
 
-    Targeted cases first (ceil division, growing a table, all or nothing,
+    First that the three are yours (an empty subclass is "not written yet"),
+    then targeted cases (ceil division, growing a table, all or nothing,
     shared blocks and ref counts, what cached blocks cost, the watermark, the
     order free releases and its ``forget``, chapter 14's restored blocks, the
-    slot of every token), then the live engine on SmolLM2 with the class as
-    its block manager.
+    slot of every token), stopping at the first failure; then, unless
+    ``live=False``, the live engine on SmolLM2 with the class as its block
+    manager.
     """
+    cls = own_part(cls, METHODS, MiniBlockManager)
     _check_growth(cls)
     _check_all_or_nothing(cls)
     _check_sharing(cls)
@@ -236,6 +241,8 @@ def check_block_manager(cls) -> None:
     _check_slots(lambda table, start, end, bs: cls(max(table) + 1, bs).slot_mapping(_with_table(table, end), start, end))
     print("check_block_manager: growth, all or nothing, sharing, cached blocks, the watermark, free, restored blocks "
           "and the slot mapping are right.")
+    if not live:
+        return
     tok = load_tokenizer("smollm2-135m")
     requests = [(f"r{i}", p, greedy(8)) for i, p in enumerate(chat_prompts(tok, 3))]
     check_live("your block manager", requests, block_size=4, num_blocks=160, max_num_seqs=4,

@@ -2,10 +2,11 @@
 
 Each exercise notebook wrote its part to ``your_engine/<module>.py``.
 :func:`your_parts` loads them, probes each on the tiny model, and uses
-minivllm's own where a part is missing or still a stub, saying which;
-parts that subclass the same class (the scheduler's passes from chapters 06,
-09 and 10; the block manager of chapters 04 and 08) are combined into one
-class, so the engine runs all of them at once. :func:`your_llm` builds the
+minivllm's own where a part is missing or not written yet (a method its
+exercise asks for still a stub, or inherited from minivllm's own class),
+saying which; parts that subclass the same class (the scheduler's passes from
+chapters 06, 09 and 10; the block manager of chapters 04 and 08) are combined
+into one class, so the engine runs all of them at once. :func:`your_llm` builds the
 engine so that every part is used: the offload tier (14) gets blocks to
 hold, and on the CPU the graph runner (12) runs the padded decode batches
 eagerly, as its exercise's check does.
@@ -13,12 +14,12 @@ eagerly, as its exercise's check does.
 
 from __future__ import annotations
 
-from minivllm.config import EngineConfig, resolve
 from minivllm.engine import LLM
+from minivllm.exercises._common import NOT_WRITTEN, unwritten
 from minivllm.exercises.live import PARTS_DIR, drive, greedy, load_part
-from minivllm.exercises.progress import PARTS, Part, stubs
+from minivllm.exercises.progress import PARTS, Part
 
-__all__ = ["your_parts", "your_options", "your_llm"]
+__all__ = ["your_parts", "your_options", "your_llm", "speculation", "lineage"]
 
 
 _PROBE = dict(block_size=4, num_blocks=24, max_num_seqs=3, max_num_batched_tokens=24, enable_chunked_prefill=True,
@@ -29,15 +30,16 @@ _WITH = {"spec_acceptor_cls": {"speculative_config": {"method": "ngram", "num_sp
 
 
 def _probe(part: Part, cls) -> str | None:
-    """Why ``cls`` cannot stand in yet (a stub, an error), or None: a short run of the tiny model with it alone."""
-    if stubs(cls):  # a method the probe may not reach (e.g. choose_victim without preemption) is still a stub
-        return "not written yet"
+    """Why ``cls`` cannot stand in yet (not written, an error), or None: a short run of the tiny model with it
+    alone (``cls`` as :func:`load_part` completes it)."""
+    if unwritten(cls, part.methods):  # a method the probe may not reach (e.g. choose_victim without preemption)
+        return NOT_WRITTEN
     requests = [(f"p{i}", [7, 7, 7, 7, 7, 7, 7, 7] + list(range(10 + i, 13 + 3 * i)), greedy(6)) for i in range(4)]
     try:
         drive(your_llm("tiny-random", {part.extension: cls, **_WITH.get(part.extension, {})}, **_PROBE), requests,
               f"your {part.what}")
     except NotImplementedError:
-        return "not written yet"
+        return NOT_WRITTEN
     except Exception as e:  # a failing part is reported, not used
         return f"fails: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     return None
@@ -58,12 +60,16 @@ def your_parts(parts: list[Part] = PARTS) -> dict[str, list]:
 
 
 def your_options(found: dict[str, list]) -> dict:
-    """EngineConfig options with the reader's parts: same-kind parts combined into one class (later chapters first)."""
+    """EngineConfig options with the reader's parts: same-kind parts combined into one class (later chapters first),
+    minivllm's own class behind them for what no exercise of the reader's wrote."""
     options = {}
     for extension, classes in found.items():
-        base = resolve(getattr(EngineConfig, extension))
-        options[extension] = classes[0] if len(classes) == 1 else type(f"Your{base.__name__}",
-                                                                       tuple(reversed(classes)), {})
+        if len(classes) == 1:
+            options[extension] = classes[0]
+        else:
+            impl = classes[0]._exercise_part[0]  # what load_part completed them with, e.g. MiniScheduler
+            raw = [c._exercise_raw for c in reversed(classes)]
+            options[extension] = type(f"Your{impl.__mro__[1].__name__}", (*raw, impl), {})
         options.update(_WITH.get(extension, {}))
     return options
 
@@ -82,3 +88,19 @@ def your_llm(model: str, options: dict, **engine_options) -> LLM:
             print("your graph runner is not used: the attention backend does not declare "
                   "forward.skips_padding_slots = True (exercise 05), so no decode step is padded")
     return llm
+
+
+def speculation(stats) -> str:
+    """An engine's speculative-decoding counters (chapter 17), from its ``stats()``: drafts, acceptance, tokens per
+    step."""
+    return (f"{stats.spec_decode_num_drafts} drafts, {stats.spec_decode_num_accepted_tokens} of "
+            f"{stats.spec_decode_num_draft_tokens} draft tokens accepted ({stats.spec_decode_acceptance_rate:.0%}), "
+            f"{stats.spec_decode_mean_tokens_per_step:.2f} tokens per step")
+
+
+def lineage(cls: type) -> str:
+    """Whose methods an extension point's class runs, first to last: the reader's classes, then minivllm's own (the
+    stubs :func:`~minivllm.exercises._common.complete` adds, and the combined class itself, left out)."""
+    shown = [c for c in cls.__mro__[:-1] if not vars(c).get("_exercise_blanks") and "_exercise_part" not in vars(c)
+             and c.__module__ != __name__]
+    return " > ".join(f"{c.__module__.removeprefix('your_engine_')}.{c.__name__}" for c in shown)

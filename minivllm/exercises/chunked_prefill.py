@@ -4,13 +4,17 @@ size of every chunk, on targeted schedules and then inside the live engine, sche
 
 from __future__ import annotations
 
+from minivllm.exercises._common import own_part
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler import MiniScheduler
 from minivllm.sequence import Sequence
 from minivllm.simulator import make_scheduler
 
-__all__ = ["check_chunked_prefill", "long_chat"]
+__all__ = ["check_chunked_prefill", "long_chat", "METHODS"]
+
+METHODS = ("num_new_tokens",)  # what exercise 09 writes
 
 
 def _seq(rid: str, n: int, max_tokens: int = 2, first: int = 1, outputs: int = 0) -> Sequence:
@@ -164,20 +168,25 @@ def long_chat(tokenizer, words: int = 30) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def check_chunked_prefill(cls) -> None:
+def check_chunked_prefill(cls, live: bool = True) -> None:
     """Check a ``Scheduler`` subclass's ``num_new_tokens``, the size of every chunk (chapter 09).
 
     Targeted schedules with a fake model (a 7-token prompt in chunks of 3,
     decodes first and the chunk in the budget left, PREFILLING before
     WAITING, a chunk size that does not divide the block size with a cached
     prefix, the source notes' 12,000 tokens with 8,000 cached; without
-    chunking: whole or wait, and the liveness cuts), then the live engine on
-    SmolLM2 with chunks of 6 over blocks of 4, step for step.
+    chunking: whole or wait, and the liveness cuts), stopping at the first
+    failure; then, unless ``live=False``, the live engine on SmolLM2 with
+    chunks of 6 over blocks of 4, step for step. An empty subclass is "not
+    written yet".
     """
+    cls = own_part(cls, METHODS, MiniScheduler)
     for case in _CASES:
         case(cls)
     print("check_chunked_prefill: the chunk size, the budget left, PREFILLING first, cached prefixes, and the cuts "
           "without chunking are right.")
+    if not live:
+        return
     tok = load_tokenizer("smollm2-135m")
     prompts = chat_prompts(tok, 2) + [long_chat(tok)] + chat_prompts(tok, 4)[3:]
     requests = [(f"r{i}", p, greedy(3)) for i, p in enumerate(prompts)]

@@ -5,13 +5,17 @@ subclass, on targeted steps and then inside the live engine, schedule for schedu
 
 from __future__ import annotations
 
+from minivllm.exercises._common import own_part
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
+from minivllm.scheduler import MiniScheduler
 from minivllm.sequence import Sequence
 from minivllm.simulator import make_scheduler
 
-__all__ = ["check_scheduler"]
+__all__ = ["check_scheduler", "METHODS"]
+
+METHODS = ("schedule_running", "schedule_waiting")  # what exercise 06 writes
 
 
 def _seq(rid: str, n: int, first: int = 1, max_tokens: int = 50) -> Sequence:
@@ -99,18 +103,22 @@ def _prefix_hits(cls) -> None:
                  "and start after them (seq.cached_token_count = len(hits) * block_size)")
 
 
-def check_scheduler(cls) -> None:
+def check_scheduler(cls, live: bool = True) -> None:
     """Check a ``Scheduler`` subclass's ``schedule_running`` and ``schedule_waiting`` (chapter 06).
 
     One targeted step per rule (decodes first, first come first served, the
-    sequence, token and block budgets, prefix-cache hits), with a fake model;
-    then the live engine on SmolLM2, where every step must schedule exactly
-    what minivllm's scheduler schedules.
+    sequence, token and block budgets, prefix-cache hits), with a fake model,
+    stopping at the first failure; then, unless ``live=False``, the live engine
+    on SmolLM2, where every step must schedule exactly what minivllm's
+    scheduler schedules. An empty subclass is "not written yet".
     """
+    cls = own_part(cls, METHODS, MiniScheduler)
     for case in (_token_budget, _seat_budget, _first_come_first_served, _block_budget, _prefix_hits, _decodes_first):
         case(cls)
     print("check_scheduler: decodes first, first come first served, the sequence, token and block budgets and "
           "prefix-cache hits are right.")
+    if not live:
+        return
     tok = load_tokenizer("smollm2-135m")
     requests = [(f"r{i}", p, greedy(6)) for i, p in enumerate(chat_prompts(tok, 5))]
     check_live("your scheduler", requests, parts={"scheduler_cls": cls}, tokenizer=tok, same_schedule=True,

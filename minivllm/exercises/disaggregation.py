@@ -19,11 +19,14 @@ from minivllm.disaggregation.front import ROLES
 from minivllm.disaggregation.link import ACK_EMPTY, ACK_OWNED, DECODE, PREFILL, KVLink, LinkError, presence_store
 from minivllm.distributed.rendezvous import Signer, loopback_store
 from minivllm.engine import LLM
+from minivllm.exercises._common import require_written
 from minivllm.exercises.live import _reference, chat_prompts, greedy, spawnable
 from minivllm.kv_transfer import FINGERPRINT_FIELDS
 from minivllm.models import load_tokenizer
 
-__all__ = ["check_kv_handoff", "FINGERPRINT"]
+__all__ = ["check_kv_handoff", "FINGERPRINT", "METHODS"]
+
+METHODS = ("transfer", "check_fingerprints")  # what exercise 16 writes
 
 # what fingerprint() gives for SmolLM2 in float32, and for each field another engine's value
 FINGERPRINT = {"model": "smollm2-135m", "dtype": "float32", "layers": 30, "kv_heads": 3, "head_dim": 64,
@@ -133,6 +136,10 @@ def _outcome_rule(t: _Transfer, outcome, got, what: str) -> None:
         raise AssertionError(f"{what}: fail() was called {fails} times; call it once: " + (
             "without it nobody tells the front the request ended, so it waits forever" if fails == 0 else
             "one request, one failure"))
+    if failed and t.events.index("fail") < t.events.index("release"):
+        raise AssertionError(f"{what}: fail() came before release(): the request's error message says whether the "
+                             "prefill worker's blocks are free, and when fail() was called they were still held; "
+                             "free them first (release()), then fail(error), so the request ends with nothing held")
     if failed and str(outcome) not in str(t.errors[0]):
         raise AssertionError(f"{what}: fail({t.errors[0]!r}): pass the LinkError itself (its text says what went "
                              "wrong: a timeout or a dead peer; the request's error message quotes it)")
@@ -296,7 +303,7 @@ def _check_live(cls) -> str:
     return f"{len(requests)} requests, then one without an ack within {LIVE_TIMEOUT:.0f} s"
 
 
-def check_kv_handoff(cls) -> None:
+def check_kv_handoff(cls, live: bool = True) -> None:
     """Check a KV handoff class: ``transfer(request_id, send, release, fail)`` and ``check_fingerprints(prefill,
     decode)`` (chapter 16).
 
@@ -305,11 +312,14 @@ def check_kv_handoff(cls) -> None:
     raises and are freed exactly once, a failed transfer fails its request,
     the ack is returned. Then ``check_fingerprints`` on equal fingerprints and
     on each field changed on either side, and once through the real signed
-    handshake. Then the live disaggregated engine (``kv_handoff_cls=cls``,
+    handshake; the first failure stops the check. Then, unless
+    ``live=False``, the live disaggregated engine (``kv_handoff_cls=cls``,
     tiny-random) must give one engine's greedy tokens with no block left
     held or used in either worker, also after a transfer whose ack never
-    comes (the request fails, its blocks freed).
+    comes (the request fails, its blocks freed). A class that does not define
+    both methods itself is "not written yet".
     """
+    require_written(cls, METHODS)
     handoff = cls()
     outcomes = _check_transfer(handoff)
     fields = _check_refusals(handoff)
@@ -317,6 +327,8 @@ def check_kv_handoff(cls) -> None:
     print(f"check_kv_handoff: the blocks are held until the ack and freed once on each of {outcomes} outcomes (ack, "
           f"empty ack, timeout, dead peer), a failed transfer fails its request, and {fields} fingerprint pairs are "
           "accepted or refused by the field that differs (also through the signed handshake).")
+    if not live:
+        return
     done = _check_live(cls)
     print(f"check_kv_handoff: the live disaggregated engine with your handoff ({done}) gave one engine's greedy "
           "tokens, failed the timed-out request with its blocks freed, and left no block held or used in either "

@@ -22,11 +22,12 @@ _KV_CONFIGS = [  # (name, layers, kv heads, head dim, bytes per element), from t
 ]
 
 
-def check_kv_bytes_per_token(fn) -> None:
+def check_kv_bytes_per_token(fn, live: bool = True) -> None:
     """Check ``fn(num_layers, num_kv_heads, head_dim, dtype_bytes) -> int``, the KV bytes of one token (chapter 03).
 
     Compared with ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes``
-    (K and V, every layer) on SmolLM2 and a few published model configs.
+    (K and V, every layer) on SmolLM2 and a few published model configs (no
+    live run: ``live`` is accepted as every check's is).
     """
     for name, layers, kvh, d, nbytes in _KV_CONFIGS:
         what = f"kv_bytes_per_token({layers}, {kvh}, {d}, {nbytes}) [{name}]"
@@ -55,7 +56,7 @@ _WASTE_CASES = [  # (lengths, block_size)
 ]
 
 
-def check_paged_waste(fn) -> None:
+def check_paged_waste(fn, live: bool = True) -> None:
     """Check ``fn(lengths, block_size) -> int``: KV slots a paged pool reserves but leaves empty (chapter 03).
 
     A sequence of ``n`` tokens holds ``ceil(n / block_size)`` blocks, so its

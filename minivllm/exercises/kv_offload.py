@@ -8,11 +8,14 @@ from __future__ import annotations
 import random
 
 from minivllm.engine import LLM
+from minivllm.exercises._common import own_part
 from minivllm.exercises.live import _reference, chat_prompts, drive, greedy
-from minivllm.kv_tier import OffloadTier, TierEntry
+from minivllm.kv_tier import MiniOffloadTier, TierEntry
 from minivllm.models import load_tokenizer
 
-__all__ = ["check_offload_tier"]
+__all__ = ["check_offload_tier", "METHODS"]
+
+METHODS = ("find", "put", "restore", "unpin_all")  # what exercise 14 writes
 
 COUNTERS = ("num_offloaded", "num_restored", "num_dropped")
 _live_references: dict = {}  # minivllm's tier in the live engine, per options: computed once a session
@@ -80,7 +83,7 @@ def _check_find(cls) -> None:
             "of a chain, also for a request that is then not admitted): never reorder, pin or count there")
 
 
-def _check_put(cls, ref_cls=OffloadTier) -> None:
+def _check_put(cls, ref_cls=MiniOffloadTier) -> None:
     slot_hint = {"free_slots": "a new entry takes the first free slot, self.free_slots.popleft()",
                  "num_offloaded": "count every block taken in, and only those, in num_offloaded",
                  "num_dropped": "num_dropped counts every block whose KV is lost: an entry dropped to make room, "
@@ -129,7 +132,7 @@ def _check_restore_and_unpin(cls) -> None:
              LRU: "a restore is a use: move the entry to the most recently used end, and keep it (the KV stays "
                   "in the tier, so the block is not copied again when it is evicted next)",
              "num_restored": "count each restore in num_restored"}
-    mine, ref = _tier(cls, 3, [A, B, C]), _tier(OffloadTier, 3, [A, B, C])
+    mine, ref = _tier(cls, 3, [A, B, C]), _tier(MiniOffloadTier, 3, [A, B, C])
     got = _call("restore", mine.restore, A[0])
     _expect(got == 0, f"restore({A[0]}) with A in slot 0", f"should return its slot 0, got {got!r}")
     ref.restore(A[0])
@@ -151,13 +154,48 @@ def _random_ops(seed: int, n: int):
         yield kind, h, prefix
 
 
+def _rule(ref, kind: str, h: int, prefix: tuple) -> str:
+    """The rule that decides operation ``kind`` on minivllm's tier ``ref`` as it is now (before the operation)."""
+    if kind == "find":
+        return ("find is a pure lookup: the entry under h if it holds exactly this prefix, else None; it never "
+                "reorders, pins or counts")
+    if kind == "restore":
+        return ("restore pins the entry (self.pinned.add(h)), makes it the most recently used, counts it in "
+                "num_restored and returns its slot; the entry stays")
+    if kind == "unpin":
+        return "unpin_all clears every pin (self.pinned.clear())"
+    entries, pinned = list(ref.entries), ref.pinned
+    if ref.find(h, prefix) is not None:
+        return (f"put of a block already in the tier with this exact prefix (hash {h}): copy nothing, return None, "
+                "and make the entry the most recently used (self.entries.move_to_end(h))")
+    if h in ref.entries:
+        if h in pinned:
+            return (f"a collision with a pinned entry (hash {h} holds {ref.entries[h].prefix}, pinned): keep it; the "
+                    "new block is lost: return None and count it in num_dropped")
+        return (f"a collision (hash {h} holds {ref.entries[h].prefix}, not {prefix}): the newer prefix takes the "
+                "hash: drop the old entry (self.drop(h), counted in num_dropped), then store the new one in the "
+                "first free slot")
+    if not ref.free_slots:
+        victim = next((k for k in entries if k not in pinned), None)
+        if victim is None:
+            return ("the tier is full and every entry is pinned: the block is lost, return None and count it in "
+                    "num_dropped")
+        return (f"the tier is full: drop the least recently used entry that is not pinned (hash {victim}; "
+                f"least recently used first: {entries}, pinned {sorted(pinned)}), then store the block in the slot "
+                "that frees")
+    return ("a new entry takes the first free slot (self.free_slots.popleft()) at the most recently used end, "
+            "counted in num_offloaded, and put returns that slot")
+
+
 def _check_sequence(cls, num_slots: int = 4, seed: int = 0, n: int = 300) -> None:
-    """A random mix of operations on a tier of 4 slots, state compared after each: the first that differs."""
-    mine, ref, log = cls(num_slots), OffloadTier(num_slots), []
+    """A random mix of operations on a tier of 4 slots, state compared after each: the first that differs, with
+    the rule that decided it."""
+    mine, ref, log = cls(num_slots), MiniOffloadTier(num_slots), []
     for kind, h, prefix in _random_ops(seed, n):
-        if kind == "restore":  # as the block manager does: only what find returns
-            if ref.find(h, prefix) is None:
-                continue
+        if kind == "restore" and ref.find(h, prefix) is None:  # as the block manager does: only what find returns
+            continue
+        rule = _rule(ref, kind, h, prefix)
+        if kind == "restore":
             call = f"restore({h})"
             got, expected = _call(call, mine.restore, h), ref.restore(h)
         elif kind == "unpin":
@@ -169,8 +207,11 @@ def _check_sequence(cls, num_slots: int = 4, seed: int = 0, n: int = 300) -> Non
         log.append(call)
         what = f"after {len(log)} operations on a tier of {num_slots} slots (the last ones: {'; '.join(log[-4:])})"
         if got != expected:
-            raise AssertionError(f"{what}: {call} returned {got!r}, expected {expected!r}")
-        _same_state(mine, ref, what, {})
+            raise AssertionError(f"{what}: {call} returned {got!r}, expected {expected!r}; the rule here: {rule}")
+        try:
+            _same_state(mine, ref, what, {})
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the rule for {call} here: {rule}") from None
 
 
 def _live_requests(tok):
@@ -207,23 +248,28 @@ def _check_live(cls, options: dict, requests) -> str:
     return f"{counts['num_offloaded']} offloaded, {counts['num_restored']} restored, {counts['num_dropped']} dropped"
 
 
-def check_offload_tier(cls) -> None:
+def check_offload_tier(cls, live: bool = True) -> None:
     """Check an ``OffloadTier`` subclass's ``find``, ``put``, ``restore`` and ``unpin_all`` (chapter 14).
 
     Targeted cases first (the exact prefix check, a pure lookup, a block
     already there, LRU eviction, pins, collisions, the counters), then 300
-    random operations against minivllm's tier, then the live engine on
-    SmolLM2 with the class as its tier, twice: a tier that holds everything
+    random operations against minivllm's tier (a failure names the rule that
+    decides the operation), stopping at the first failure; then, unless
+    ``live=False``, the live engine on SmolLM2 with the class as its tier,
+    twice: a tier that holds everything
     evicted, and one so small that it drops entries while restores are pinned.
     Both must give exactly the tokens of the engine without a tier, and the
-    counters of minivllm's tier.
+    counters of minivllm's tier. An empty subclass is "not written yet".
     """
+    cls = own_part(cls, METHODS, MiniOffloadTier)
     _check_find(cls)
     _check_put(cls)
     _check_restore_and_unpin(cls)
     _check_sequence(cls)
     print("check_offload_tier: the exact prefix check, LRU eviction, pins, collisions and the counters are right "
           "(targeted cases and 300 random operations).")
+    if not live:
+        return
     tok = load_tokenizer("smollm2-135m")
     requests = _live_requests(tok)
     # float32 on a GPU too (as chapter 14 measures it): a prompt served partly from the tier is prefilled in other

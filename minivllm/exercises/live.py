@@ -3,9 +3,10 @@
 An exercise notebook writes the reader's part to ``your_engine/<part>.py``
 (a ``%%writefile`` cell) and loads it with :func:`load_part`. The part has the
 interface of minivllm's own (a subclass of ``BlockManager``, ``Scheduler``,
-``PagedKVCache``, ``Sampler``, ...), so :func:`check_live` puts it into an
-``LLM`` through ``EngineConfig`` (the extension points) and runs the real
-engine on the embedded model: invariants after every step, no leaked block,
+``PagedKVCache``, ``Sampler``, ...: the classes that declare it, whose
+methods minivllm writes in ``MiniBlockManager``, ``MiniScheduler``, ...), so
+:func:`check_live` puts it into an ``LLM`` through ``EngineConfig`` (the
+extension points) and runs the real engine on the embedded model: invariants after every step, no leaked block,
 and the same tokens as minivllm's own engine, or the first request and token
 that differ.
 """
@@ -19,6 +20,7 @@ import random
 from pathlib import Path
 
 from minivllm.engine import LLM
+from minivllm.exercises._common import complete
 from minivllm.sampling_params import SamplingParams
 
 __all__ = ["PARTS_DIR", "load_part", "SpawnablePart", "spawnable", "chat_prompts", "greedy", "drive", "check_live"]
@@ -31,14 +33,23 @@ _references: dict = {}  # minivllm's own outputs, per (model, options, requests)
 
 
 def load_part(module: str, name: str, parts_dir: Path = PARTS_DIR):
-    """``name`` from ``your_engine/<module>.py``, loaded afresh (so an edited part is picked up)."""
+    """``name`` from ``your_engine/<module>.py``, loaded afresh (so an edited part is picked up).
+
+    A class part comes as the engine runs it (:func:`~minivllm.exercises._common.complete`): with minivllm's own
+    behind it for the methods other exercises write, while each method of its own exercise is yours or raises
+    "not written yet".
+    """
     path = Path(parts_dir) / f"{module}.py"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: run the %%writefile cell of that exercise first")
     spec = importlib.util.spec_from_file_location(f"your_engine_{module}", path)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
-    return getattr(loaded, name)
+    part = getattr(loaded, name)
+    from minivllm.exercises.progress import PARTS  # the table of parts imports this module
+
+    found = next((p for p in PARTS if (p.module, p.name) == (module, name) and p.impl is not None), None)
+    return complete(part, found.methods, found.impl) if found is not None and inspect.isclass(part) else part
 
 
 class SpawnablePart:

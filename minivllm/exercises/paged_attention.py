@@ -11,12 +11,15 @@ import math
 
 import torch
 
-from minivllm.attention import ContiguousKVCache, PagedBatch, PagedKVCache
+from minivllm.attention import ContiguousKVCache, MiniPagedKVCache, PagedBatch
 from minivllm.block_manager import slots
+from minivllm.exercises._common import own_part
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
 
-__all__ = ["check_paged_attention"]
+__all__ = ["check_paged_attention", "METHODS"]
+
+METHODS = ("forward",)  # what exercise 05 writes
 
 LAYERS, LAYER = 2, 1  # the step runs layer 1 of 2: layer 0's pools must stay untouched
 
@@ -80,7 +83,7 @@ class _Step:
     def minivllm(self, q=None, k=None, v=None, batch=None) -> torch.Tensor:
         """minivllm's own forward on a copy of the pools as they were before the step."""
         c_ = self.case
-        cache = PagedKVCache(LAYERS, self.num_blocks, c_.block_size, c_.kv_heads, c_.head_dim)
+        cache = MiniPagedKVCache(LAYERS, self.num_blocks, c_.block_size, c_.kv_heads, c_.head_dim)
         cache.k.copy_(self.pools_before[0])
         cache.v.copy_(self.pools_before[1])
         return cache.forward(LAYER, self.q if q is None else q, self.k if k is None else k,
@@ -214,7 +217,7 @@ def _check_padding(cls, case: _Case = _PADDED, pad: int = 2) -> None:
                              "padding row's output is dropped (valid/out_index), it must not change the others'")
 
 
-def check_paged_attention(cls) -> None:
+def check_paged_attention(cls, live: bool = True) -> None:
     """Check a ``PagedKVCache`` subclass's ``forward`` (chapter 05).
 
     Targeted steps (a prompt from scratch; decodes, fresh prompts and prefill
@@ -222,14 +225,18 @@ def check_paged_attention(cls) -> None:
     of stale values: the output must match one ``ContiguousKVCache`` per
     sequence within 1e-5 and the step's keys and values must land at the slot
     mapping of the right layer; a decode batch padded as chapter 12's CUDA
-    graphs pad it (slot -1) must write no real slot. Then SmolLM2 runs in the live engine with the
-    class as its attention backend, chunked prefill mixing decodes and chunks.
+    graphs pad it (slot -1) must write no real slot. The first failure stops the check. Then, unless
+    ``live=False``, SmolLM2 runs in the live engine with the class as its attention backend, chunked prefill
+    mixing decodes and chunks. An empty subclass is "not written yet".
     """
+    cls = own_part(cls, METHODS, MiniPagedKVCache)
     for case in _CASES:
         _check_step(cls, case)
     _check_padding(cls)
     print(f"check_paged_attention: all {len(_CASES)} steps match one contiguous cache per sequence, and the new keys "
           f"and values are in the pool; padding rows of a replayed decode batch (slot -1) write no real slot.")
+    if not live:
+        return
     tok = load_tokenizer("smollm2-135m")
     short = [p for p in chat_prompts(tok, 4) if len(p) < 100]  # three chat questions of about 36 tokens
     requests = [(f"r{i}", p, greedy(6)) for i, p in enumerate(short)]

@@ -2,45 +2,48 @@
 
 :data:`PARTS` is the one list of the parts the exercises have the reader
 write: where the notebook writes each (``your_engine/<module>.py``), the name
-it defines there, the check that tests it, and for an engine part the
-``EngineConfig`` extension point the capstone plugs it into. A later
+it defines there, the check that tests it, the methods a class part's
+exercise asks for and minivllm's own class that completes the rest (its
+``Mini...`` class, which the notebook does not point to), and for an engine
+part the ``EngineConfig`` extension point the capstone plugs it into. A later
 chapter's part is one more line. :func:`status` says of each part whether it
-is written (its file exists and no ``raise NotImplementedError("not written
-yet: ...")`` is left in it) and whether its check passes, with the first line
-of the check's message where it does not.
+is written (its file exists, and each method its exercise asks for is the
+reader's own: no ``raise NotImplementedError("not written yet: ...")`` left,
+none inherited from minivllm) and whether its check's targeted cases pass
+(the live engine too with ``live=True``), with the first line of the check's
+message where they do not.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from minivllm.exercises._common import NOT_WRITTEN
+from minivllm.attention import MiniPagedKVCache
+from minivllm.block_manager import MiniBlockManager
+from minivllm.cuda_graphs import MiniDecodeGraphRunner
+from minivllm.detokenizer import MiniIncrementalDetokenizer
+from minivllm.exercises import (block_manager, continuous_batching, chunked_prefill, disaggregation, kv_offload,
+                                paged_attention, preemption, prefix_caching, sampling_streaming, serving, spec_decode,
+                                where_time_goes)
+from minivllm.exercises._common import NOT_WRITTEN, unwritten
 from minivllm.exercises.benchmarks import check_goodput, check_request_latencies
-from minivllm.exercises.block_manager import check_block_manager
-from minivllm.exercises.chunked_prefill import check_chunked_prefill
 from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
-from minivllm.exercises.continuous_batching import check_scheduler
-from minivllm.exercises.disaggregation import check_kv_handoff
 from minivllm.exercises.kv_cache_memory import check_kv_bytes_per_token, check_paged_waste
-from minivllm.exercises.kv_offload import check_offload_tier
 from minivllm.exercises.live import PARTS_DIR, load_part
-from minivllm.exercises.paged_attention import check_paged_attention
-from minivllm.exercises.preemption import check_preemption
 from minivllm.exercises.prefill_decode import check_generate_cached
-from minivllm.exercises.prefix_caching import check_prefix_cache
-from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
-from minivllm.exercises.serving import check_engine_loop
-from minivllm.exercises.spec_decode import check_spec_acceptor
 from minivllm.exercises.tensor_parallel import check_shard_weight
-from minivllm.exercises.where_time_goes import check_graph_runner
+from minivllm.kv_tier import MiniOffloadTier
+from minivllm.sampler import MiniSampler
+from minivllm.scheduler import MiniScheduler
+from minivllm.serving.engine_loop import MiniEngineLoop
+from minivllm.spec_decode import MiniSpecAcceptor
 
-__all__ = ["Part", "PARTS", "stubs", "status", "main"]
+__all__ = ["Part", "PARTS", "part_status", "status"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class Part:
     check: Callable  # minivllm.exercises' check of it
     what: str
     extension: str | None = None  # the EngineConfig field an engine part plugs into (the capstone)
+    methods: tuple[str, ...] = ()  # a class part: the methods its exercise asks for
+    impl: type | None = None  # a class part: minivllm's own class, whose methods complete the reader's (load_part)
 
 
 PARTS = [
@@ -60,43 +65,37 @@ PARTS = [
     Part("02", "chunked_attention", "chunked_causal", check_chunked_causal, "chunked causal attention"),
     Part("03", "kv_cache_memory", "kv_bytes_per_token", check_kv_bytes_per_token, "KV bytes per token"),
     Part("03", "paged_waste", "paged_waste", check_paged_waste, "what a paged cache leaves empty"),
-    Part("04", "block_manager", "MyBlockManager", check_block_manager, "block manager: allocate, free, slots",
-         "block_manager_cls"),
-    Part("05", "paged_attention", "MyPagedKVCache", check_paged_attention, "paged attention", "attention_backend"),
-    Part("06", "scheduler_admission", "MyScheduler", check_scheduler, "scheduler: decodes first, admission",
-         "scheduler_cls"),
-    Part("07", "sampler", "MySampler", check_sampler, "sampler", "sampler"),
-    Part("07", "detokenizer", "MyDetokenizer", check_detokenizer, "incremental detokenizer", "detokenizer"),
-    Part("08", "prefix_caching", "MyBlockManager", check_prefix_cache, "block manager: prefix caching",
-         "block_manager_cls"),
-    Part("09", "chunked_prefill", "MyScheduler", check_chunked_prefill, "scheduler: chunked prefill", "scheduler_cls"),
-    Part("10", "preemption", "MyScheduler", check_preemption, "scheduler: preemption", "scheduler_cls"),
+    Part("04", "block_manager", "MyBlockManager", block_manager.check_block_manager,
+         "block manager: allocate, free, slots", "block_manager_cls", block_manager.METHODS, MiniBlockManager),
+    Part("05", "paged_attention", "MyPagedKVCache", paged_attention.check_paged_attention, "paged attention",
+         "attention_backend", paged_attention.METHODS, MiniPagedKVCache),
+    Part("06", "scheduler_admission", "MyScheduler", continuous_batching.check_scheduler,
+         "scheduler: decodes first, admission", "scheduler_cls", continuous_batching.METHODS, MiniScheduler),
+    Part("07", "sampler", "MySampler", sampling_streaming.check_sampler, "sampler", "sampler",
+         sampling_streaming.SAMPLER_METHODS, MiniSampler),
+    Part("07", "detokenizer", "MyDetokenizer", sampling_streaming.check_detokenizer, "incremental detokenizer",
+         "detokenizer", sampling_streaming.DETOKENIZER_METHODS, MiniIncrementalDetokenizer),
+    Part("08", "prefix_caching", "MyBlockManager", prefix_caching.check_prefix_cache, "block manager: prefix caching",
+         "block_manager_cls", prefix_caching.METHODS, MiniBlockManager),
+    Part("09", "chunked_prefill", "MyScheduler", chunked_prefill.check_chunked_prefill, "scheduler: chunked prefill",
+         "scheduler_cls", chunked_prefill.METHODS, MiniScheduler),
+    Part("10", "preemption", "MyScheduler", preemption.check_preemption, "scheduler: preemption", "scheduler_cls",
+         preemption.METHODS, MiniScheduler),
     Part("11", "metrics", "request_latencies", check_request_latencies, "request latencies"),
     Part("11", "metrics", "goodput", check_goodput, "goodput"),
-    Part("12", "graph_runner", "MyGraphRunner", check_graph_runner, "CUDA-graph decode batch: the padding rule",
-         "graph_runner_cls"),
-    Part("13", "engine_loop", "MyEngineLoop", check_engine_loop, "the server's engine loop (AsyncLLM)"),
-    Part("14", "offload_tier", "MyOffloadTier", check_offload_tier, "CPU offload tier of the prefix cache",
-         "offload_tier_cls"),
+    Part("12", "graph_runner", "MyGraphRunner", where_time_goes.check_graph_runner,
+         "CUDA-graph decode batch: the padding rule", "graph_runner_cls", where_time_goes.METHODS,
+         MiniDecodeGraphRunner),
+    Part("13", "engine_loop", "MyEngineLoop", serving.check_engine_loop, "the server's engine loop (AsyncLLM)",
+         None, serving.METHODS, MiniEngineLoop),
+    Part("14", "offload_tier", "MyOffloadTier", kv_offload.check_offload_tier, "CPU offload tier of the prefix cache",
+         "offload_tier_cls", kv_offload.METHODS, MiniOffloadTier),
     Part("15", "tensor_parallel", "shard_weight", check_shard_weight, "tensor-parallel shards of a Llama layer"),
-    Part("16", "disaggregation", "MyHandoff", check_kv_handoff, "KV handoff: ownership and fingerprints"),
-    Part("17", "spec_decode", "MySpecAcceptor", check_spec_acceptor, "speculative decoding: accept, rollback",
-         "spec_acceptor_cls"),
+    Part("16", "disaggregation", "MyHandoff", disaggregation.check_kv_handoff,
+         "KV handoff: ownership and fingerprints", None, disaggregation.METHODS),
+    Part("17", "spec_decode", "MySpecAcceptor", spec_decode.check_spec_acceptor,
+         "speculative decoding: accept, rollback", "spec_acceptor_cls", spec_decode.METHODS, MiniSpecAcceptor),
 ]
-
-
-def _source(f) -> str:
-    try:
-        return inspect.getsource(f)
-    except (OSError, TypeError):
-        return ""
-
-
-def stubs(obj) -> list[str]:
-    """The functions of a part (a function, or a class's own methods) that still raise the exercise's stub."""
-    members = vars(obj).items() if inspect.isclass(obj) else [(obj.__name__, obj)]
-    return [f"{obj.__name__}.{n}" if inspect.isclass(obj) else n
-            for n, f in members if callable(f) and f'NotImplementedError("{NOT_WRITTEN}' in _source(f)]
 
 
 class CtrlC(KeyboardInterrupt):
@@ -127,14 +126,16 @@ def _stopped(e: BaseException) -> str:
     return "" if isinstance(e, Exception) else " (a part must not stop the program)"
 
 
-def part_status(part: Part, parts_dir: Path = PARTS_DIR, run_check: bool = True) -> tuple[str, str]:
-    """``(state, detail)``: state is "missing", "not written", "fails" or "passes". Any way the part's code stops
-    (an exception, ``sys.exit``, a KeyboardInterrupt it raises) is its failure; Ctrl-C still stops the command."""
+def part_status(part: Part, parts_dir: Path = PARTS_DIR, run_check: bool = True,
+                live: bool = False) -> tuple[str, str]:
+    """``(state, detail)``: state is "missing", "not written", "written" (``run_check`` False), "fails" or
+    "passes" (the check's targeted cases; the live engine too with ``live``). Any way the part's code stops (an
+    exception, ``sys.exit``, a KeyboardInterrupt it raises) is its failure; Ctrl-C still stops the command."""
     with _ctrl_c_stops_the_command():
-        return _part_status(part, parts_dir, run_check)
+        return _part_status(part, parts_dir, run_check, live)
 
 
-def _part_status(part: Part, parts_dir: Path, run_check: bool) -> tuple[str, str]:
+def _part_status(part: Part, parts_dir: Path, run_check: bool, live: bool) -> tuple[str, str]:
     path = Path(parts_dir) / f"{part.module}.py"
     if not path.exists():
         return "missing", f"{path} does not exist: run exercise {part.chapter}'s %%writefile cell"
@@ -142,14 +143,14 @@ def _part_status(part: Part, parts_dir: Path, run_check: bool) -> tuple[str, str
         obj = load_part(part.module, part.name, parts_dir)
     except BaseException as e:  # a syntax error, a missing name, sys.exit: the reader's file, reported
         return "fails", f"{path} does not load: {type(e).__name__}: {e}{_stopped(e)}"
-    left = stubs(obj)
+    left = unwritten(obj, part.methods)
     if left:
         return "not written", f"{NOT_WRITTEN}: {', '.join(left)}"
     if not run_check:
         return "written", ""
     try:
         with contextlib.redirect_stdout(io.StringIO()):  # the check's own success lines
-            part.check(obj)
+            part.check(obj, live=live)
     except BaseException as e:  # AssertionError names the mistake; anything else is the reader's code failing
         message = (str(e).strip().split("\n")[0] or type(e).__name__) + _stopped(e)
         return "fails", message if isinstance(e, AssertionError) else f"{type(e).__name__}: {message}"
@@ -157,16 +158,18 @@ def _part_status(part: Part, parts_dir: Path, run_check: bool) -> tuple[str, str
 
 
 def status(parts_dir: Path = PARTS_DIR, chapters: list[str] | None = None, run_checks: bool = True,
-           out=print) -> bool:
-    """Print one line per part (chapters: only those); True when every part listed is written and passes."""
+           out=print, live: bool = False) -> bool:
+    """Print one line per part (chapters: only those); True when every part listed is written and passes its
+    check's targeted cases (and, with ``live``, its live run)."""
     chosen = [p for p in PARTS if not chapters or p.chapter in chapters]
     states = []
     for part in chosen:
-        state, detail = part_status(part, parts_dir, run_checks)
+        state, detail = part_status(part, parts_dir, run_checks, live)
         states.append(state)
         out(f"{part.chapter} {part.what:38} {state:12} {detail}".rstrip())
     written = sum(s not in ("missing", "not written") for s in states)
     passing = states.count("passes")
-    out(f"{written} of {len(chosen)} parts written" + (f", {passing} pass their checks" if run_checks else "")
+    checked = f", {passing} pass their checks ({'live runs included' if live else 'targeted cases'})"
+    out(f"{written} of {len(chosen)} parts written" + (checked if run_checks else "")
         + f" (your parts: {Path(parts_dir).resolve()})")
     return passing == len(chosen)

@@ -10,14 +10,18 @@ import dataclasses
 
 import torch
 
-from minivllm.detokenizer import IncrementalDetokenizer
+from minivllm.detokenizer import MiniIncrementalDetokenizer
+from minivllm.exercises._common import own_part
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
-from minivllm.sampler import SamplerOutput, apply_top_k_top_p, sample
+from minivllm.sampler import MiniSampler, SamplerOutput, apply_top_k_top_p, sample
 from minivllm.sampling_params import SamplingParams
 from minivllm.simple_generation import chat_prompt_ids
 
-__all__ = ["check_sampler", "check_detokenizer", "live_requests"]
+__all__ = ["check_sampler", "check_detokenizer", "live_requests", "SAMPLER_METHODS", "DETOKENIZER_METHODS"]
+
+SAMPLER_METHODS = ("__call__",)  # what exercise 07 writes: the sampler
+DETOKENIZER_METHODS = ("add",)  # and the detokenizer
 
 DRAWS = 400  # rows of one distribution: every kept token of a set case is drawn many times
 RANKED = [0.16, 0.14, 0.13, 0.12, 0.11, 0.10, 0.08, 0.06, 0.04, 0.03, 0.02, 0.01]  # probabilities by rank
@@ -196,21 +200,26 @@ def _check_seeded_alone(cls, logits) -> None:
                              f"generators[i] (only rows without one share self.generator)")
 
 
-def check_sampler(cls) -> None:
+def check_sampler(cls, live: bool = True) -> None:
     """Check a ``Sampler`` subclass's ``__call__(logits, params, generators) -> SamplerOutput`` (chapter 07).
 
     Targeted cases: what top-k, top-p, both, and temperature then top-p keep
     (the set of tokens drawn from one row, many times); greedy, unseeded and
     seeded rows mixed, token for token as minivllm's sampler draws them; a
-    seeded row alone and in a batch. Then SmolLM2 in the live engine with
-    seeded sampling rows and greedy rows: the same tokens and streamed text.
+    seeded row alone and in a batch; the first failure stops the check. Then,
+    unless ``live=False``, SmolLM2 in the live engine with seeded sampling rows
+    and greedy rows: the same tokens and streamed text. An empty subclass is
+    "not written yet".
     """
+    cls = own_part(cls, SAMPLER_METHODS, MiniSampler)
     _check_sets(cls)
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(len(_MIXED), 50, generator=g) * 2
     _check_exact(cls, "a mixed batch", logits, _MIXED, calls=6)
     _check_seeded_alone(cls, logits)
     print("check_sampler: top-k, top-p, their order, temperature, greedy rows and seeded generators are right.")
+    if not live:
+        return
     tok = load_tokenizer("smollm2-135m")
     check_live("your sampler", live_requests(tok), parts={"sampler": cls}, tokenizer=tok, same_text=True,
                **LIVE_OPTIONS)
@@ -232,7 +241,7 @@ def _stream(cls, tok, prompt, ids, per_add):
 
 
 def _check_text(cls, tok, what, prompt, ids, per_add) -> None:
-    _, want = _stream(IncrementalDetokenizer, tok, prompt, ids, per_add)
+    _, want = _stream(MiniIncrementalDetokenizer, tok, prompt, ids, per_add)
     det, got = _stream(cls, tok, prompt, ids, per_add)
     full = tok.decode(ids, skip_special_tokens=True)
     what = f"{what} ({full!r}, {per_add} token{'s' * (per_add > 1)} per add)"
@@ -260,15 +269,18 @@ def _check_text(cls, tok, what, prompt, ids, per_add) -> None:
                              f"sooner and no later")
 
 
-def check_detokenizer(cls) -> None:
+def check_detokenizer(cls, live: bool = True) -> None:
     """Check an ``IncrementalDetokenizer`` subclass's ``add(token_ids) -> str`` (chapter 07).
 
     SmolLM2's tokenizer on emoji, accents and CJK characters that span
     tokens, runs of spaces, tabs and new lines, several tokens per call and a
     special token: no delta may hold U+FFFD, the deltas must be minivllm's and
-    add up to the decoded text, and ``self.text`` must follow. Then the live
-    engine streams SmolLM2's replies (emoji included) through it.
+    add up to the decoded text, and ``self.text`` must follow; the first
+    failure stops the check. Then, unless ``live=False``, the live engine
+    streams SmolLM2's replies (emoji included) through it. An empty subclass
+    is "not written yet".
     """
+    cls = own_part(cls, DETOKENIZER_METHODS, MiniIncrementalDetokenizer)
     tok = load_tokenizer("smollm2-135m")
     prompt = chat_prompt_ids(tok, "Say something.")
     for what, text, per_add in _TEXTS:
@@ -276,6 +288,8 @@ def check_detokenizer(cls) -> None:
     ids = tok("Done!", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     _check_text(cls, tok, "an end-of-turn token", prompt, ids, 1)
     print(f"check_detokenizer: all {len(_TEXTS) + 1} streams match minivllm's deltas, with no broken character.")
+    if not live:
+        return
     check_live("your detokenizer", live_requests(tok), parts={"detokenizer": cls}, tokenizer=tok, same_text=True,
                **LIVE_OPTIONS)
 

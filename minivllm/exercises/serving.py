@@ -9,17 +9,21 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from minivllm.exercises._common import NOT_WRITTEN, own_part, unwritten
 from minivllm.exercises.live import PARTS_DIR, load_part
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import RequestMetrics
-from minivllm.serving.engine_loop import EngineLoop
+from minivllm.serving.engine_loop import EngineLoop, MiniEngineLoop
 
-__all__ = ["check_engine_loop", "your_loop", "served"]
+__all__ = ["check_engine_loop", "your_loop", "served", "METHODS"]
+
+METHODS = ("take_inbox", "route", "turn")  # what exercise 13 writes
 
 MODEL = "tiny-random"  # the loop's behaviour does not depend on the weights: the fastest model there is
 OPTIONS = dict(block_size=16, num_blocks=1024, max_num_seqs=4, device="cpu")
@@ -60,14 +64,17 @@ class _Engine:
     """Each step gives every running request one output, in the reverse of the order they were added; a request
     finishes after ``lengths[request_id]`` outputs (3 by default). ``refuse``: ids whose add raises ValueError."""
 
-    def __init__(self, lengths=None, refuse=()):
+    def __init__(self, lengths=None, refuse=(), during_add=None):
         self.lengths, self.refuse = lengths or {}, set(refuse)
+        self.during_add = during_add or {}  # request id: what happens (on another thread) while it is added
         self.running: dict[str, int] = {}  # request id: outputs so far
         self.log: list[tuple] = []  # ("add", id), ("abort", id), ("step", ids advanced)
         self.steps: list[list[RequestOutput]] = []
 
     def add_request(self, request_id, prompt, params, arrival_time=None, priority=0):
         self.log.append(("add", request_id))
+        if request_id in self.during_add:
+            self.during_add.pop(request_id)()
         if request_id in self.refuse:
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         self.running[request_id] = 0
@@ -102,12 +109,53 @@ class _Engine:
         return None
 
 
+class _Guard:
+    """The loop's lock as a handler's thread sees it, in one thread: what arrives while the lock is held is put in
+    the inbox when it is released (the handler waited for it)."""
+
+    def __init__(self):
+        self.held, self.waiting = 0, []
+
+    def __enter__(self):
+        self.held += 1
+        return self
+
+    def __exit__(self, *exc):
+        self.held -= 1
+        while not self.held and self.waiting:
+            self.waiting.pop(0)()
+
+    def acquire(self, *args, **kwargs) -> bool:
+        self.__enter__()
+        return True
+
+    def release(self) -> None:
+        self.__exit__()
+
+    def locked(self) -> bool:
+        return self.held > 0
+
+
+class _Inbox(deque):
+    """``self.inbox``, which can have a handler put a request in it right after the loop read it whole (iterated
+    it: ``list(self.inbox)``, ``for item in self.inbox``), as a handler's thread may at any moment."""
+
+    after_read = None
+
+    def __iter__(self):
+        yield from super().__iter__()
+        if self.after_read is not None:
+            arrive, self.after_read = self.after_read, None
+            arrive()
+
+
 class _Probe:
     """The reader's loop around a scripted engine, driven one turn at a time from this thread."""
 
     def __init__(self, cls, engine: _Engine):
         self.engine, self.metrics = engine, _Metrics()
         self.loop = cls(engine, self.metrics)
+        self.loop.guard, self.loop.inbox = _Guard(), _Inbox()
         self.queues: dict[str, _Queue] = {}
         self.idles = 0
         self.loop.idle = self._idle  # counted, never sleeps
@@ -121,6 +169,12 @@ class _Probe:
 
     def leave(self, request_id):
         self.loop.close(request_id)
+
+    def arrive(self, request_id):
+        """A handler on another thread opens ``request_id`` now: its request joins the inbox at once, or as soon as
+        the loop releases its lock."""
+        guard = self.loop.guard
+        (guard.waiting.append if guard.locked() else lambda f: f())(lambda: self.add(request_id))
 
     def turn(self, what: str):
         start = len(self.engine.log)
@@ -279,12 +333,16 @@ def _check_aborts(cls) -> None:
 
 
 def _check_refused(cls) -> None:
-    engine = _Engine(lengths={"r1": 9}, refuse={"bad"})
+    engine = _Engine(lengths={"r1": 9, "r3": 9}, refuse={"bad"})
     probe = _Probe(cls, engine)
     probe.add("r1")
-    probe.turn("r1 alone, first turn")
+    probe.add("r3")
+    probe.turn("r1 and r3, first turn")
     probe.add("bad")
-    what = "turn() with r1 running and a request 'bad' in the inbox that the engine refuses (ValueError)"
+    probe.add("r2")
+    probe.leave("r3")
+    what = ("turn() with r1 and r3 running and in the inbox: a request 'bad' that the engine refuses (ValueError), "
+            "then r2's add, then r3's abort (its client left)")
     try:
         _, log = probe.turn(what)
     except AssertionError as e:
@@ -300,9 +358,55 @@ def _check_refused(cls) -> None:
               "that never hears back waits forever")
     if "bad" in probe.loop.streams:
         _fail(what, "'bad''s stream got its error but is still open", "deliver the error with last=True")
+    step = next((i for i, (k, _) in enumerate(log) if k == "step"), len(log))
+    late = [entry for entry in (("add", "r2"), ("abort", "r3")) if entry not in log[:step]]
+    if late:
+        _fail(what, f"the engine saw {_shown(log)}: after the refused add, "
+              + " and ".join(f"{rid}'s {kind}" for kind, rid in late) + " waited for the next turn",
+              "one try around the whole inbox loop stops taking the inbox at the refused add: put the try around "
+              "self.engine.add_request(...) alone, inside the loop, so that one refused request ends alone and the "
+              "rest of the inbox (adds and aborts) still joins this step")
     if not any(kind == "step" and "r1" in ids for kind, ids in log):
         _fail(what, f"the engine saw {_shown(log)}: r1 did not step in that turn",
               "one refused request ends alone: take the rest of the inbox and step as usual")
+
+
+def _check_arrivals(cls) -> None:
+    """A handler's thread puts requests in the inbox at any moment, also while the loop takes it."""
+    hint = ("take the inbox one item at a time, self.inbox.popleft() while self.inbox is not empty: a handler's "
+            "thread appends to it at any moment, so never iterate over it (for item in self.inbox, list(self.inbox)) "
+            "and then clear it")
+    engine = _Engine(lengths={"r1": 3, "r2": 3})
+    probe = _Probe(cls, engine)
+    engine.during_add["r1"] = lambda: probe.arrive("r2")
+    probe.add("r1")
+    what = "a request r2 put in the inbox by its handler's thread while take_inbox was adding r1"
+    try:
+        probe.turn(f"turn() with r1 in the inbox ({what})")
+        probe.turn(f"the turn after {what}")
+    except AssertionError as e:
+        if "mutated during iteration" in str(e):
+            raise AssertionError(f"{e}: take_inbox was iterating over self.inbox when the handler appended to it, "
+                                 f"and on the server that error ends every request in flight; {hint}") from None
+        raise
+    if ("add", "r2") not in engine.log:
+        _fail(what, f"r2 never reached the engine (it saw {_shown(engine.log)}): the inbox was cleared after "
+              "r2 arrived, so r2 was lost and its client waits forever", hint)
+    engine = _Engine(lengths={"r1": 3, "r2": 3})
+    probe = _Probe(cls, engine)
+    probe.add("r1")
+    probe.loop.inbox.after_read = lambda: probe.arrive("r2")
+    what = ("a request r2 put in the inbox by its handler's thread right after take_inbox read the inbox (or, if "
+            "take_inbox held self.guard meanwhile, as soon as it released it)")
+    probe.turn(f"turn() with r1 in the inbox ({what})")
+    probe.turn(f"the turn after {what}")
+    if "r2" in probe.queues and ("add", "r2") not in engine.log:  # (a loop that never reads the inbox whole: no r2)
+        _fail(what, f"r2 never reached the engine (it saw {_shown(engine.log)}): the inbox was cleared after r2 "
+              "arrived, so r2 was lost and its client waits forever", hint + " (or do both under self.guard, the "
+              "lock the handlers append under)")
+
+
+_CASES = (_check_idle, _check_adds, _check_routing, _check_aborts, _check_refused, _check_arrivals)
 
 
 # -- the live server ---------------------------------------------------------------------------------------------
@@ -426,7 +530,7 @@ def _check_live(cls) -> str:
             "chunks: 0 requests running, 0 KV blocks in use")
 
 
-def check_engine_loop(cls) -> None:
+def check_engine_loop(cls, live: bool = True) -> None:
     """Check an ``EngineLoop`` subclass's ``take_inbox``, ``route`` and ``turn`` (chapter 13).
 
     Targeted turns on a scripted engine first: nothing to do (idle, never a
@@ -434,22 +538,25 @@ def check_engine_loop(cls) -> None:
     in one step in the engine's order (each to its own stream, every one, the
     finished ones closing their streams), a client that leaves (its abort before
     the next step, through ``self.abort``), an add and its abort in one inbox,
-    and an add the engine refuses (that request alone ends, with the error).
-    Then the real server with the class as ``AsyncLLM``'s loop, on tiny-random,
+    an add the engine refuses (that request alone ends, with the error, and
+    the rest of the inbox still joins the step), requests a handler puts in
+    the inbox while the loop takes it (never lost); the first failure stops
+    the check. Then, unless ``live=False``, the real server with the class as ``AsyncLLM``'s loop, on tiny-random,
     through the OpenAI client: four concurrent streams equal to
     ``LLM.generate``'s greedy text, two clients that hang up, and then no open
-    stream, no request and no KV block left.
+    stream, no request and no KV block left. An empty subclass is "not
+    written yet".
     """
     if not (isinstance(cls, type) and issubclass(cls, EngineLoop)):
         raise AssertionError(f"check_engine_loop takes a subclass of EngineLoop, got {cls!r}")
-    _check_idle(cls)
-    _check_adds(cls)
-    _check_routing(cls)
-    _check_aborts(cls)
-    _check_refused(cls)
+    cls = own_part(cls, METHODS, MiniEngineLoop)
+    for case in _CASES:
+        case(cls)
     print("check_engine_loop: idle without a step, the inbox in order before the step, every output to its own "
           "stream and the finished ones closed, aborts through self.abort, a refused add ending alone (targeted "
-          "turns).")
+          "turns), the rest of the inbox taken after it, and no request lost while the inbox is taken.")
+    if not live:
+        return
     summary = _check_live(cls)
     print(f"check_engine_loop: the live server with your loop: {summary}.")
 
@@ -458,30 +565,29 @@ def check_engine_loop(cls) -> None:
 
 def your_loop(parts_dir: Path = PARTS_DIR) -> type:
     """The reader's ``MyEngineLoop`` from ``your_engine/engine_loop.py`` when it is written and passes the targeted
-    turns; else minivllm's ``EngineLoop``. Prints which, and why."""
-    from minivllm.exercises.progress import stubs
-
+    turns; else minivllm's ``MiniEngineLoop``. Prints which, and why."""
     path = Path(parts_dir) / "engine_loop.py"
+    cls = None
     if not path.exists():
         problem = "missing (run exercise 13 first)"
     else:
         cls = load_part("engine_loop", "MyEngineLoop", parts_dir)
-        problem = "not written yet" if stubs(cls) else None
+        problem = NOT_WRITTEN if unwritten(cls, METHODS) else None
         try:
-            for case in (_check_idle, _check_adds, _check_routing, _check_aborts, _check_refused):
+            for case in _CASES:
                 if problem is None:
                     case(cls)
         except NotImplementedError:
-            problem = "not written yet"
+            problem = NOT_WRITTEN
         except AssertionError as e:
             problem = f"fails: {str(e).splitlines()[0][:160]}"
     what = "the server's engine loop (AsyncLLM)"
     print(f"13 {what:40} " + ("yours" if problem is None else f"minivllm's: yours is {problem}"))
-    return cls if problem is None else EngineLoop
+    return cls if problem is None else MiniEngineLoop
 
 
 @contextmanager
-def served(engine, loop_cls=EngineLoop, model: str = "smollm2-135m"):
+def served(engine, loop_cls=MiniEngineLoop, model: str = "smollm2-135m"):
     """The OpenAI-compatible server over ``engine`` with ``AsyncLLM(loop_cls=...)``, in a thread of this process on
     127.0.0.1 at a free port; yields it (``.url``, ``.llm`` the AsyncLLM, ``.idle()``) and always stops it."""
     server = _Server(engine, loop_cls, model)

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from minivllm.config import cdiv
 from minivllm.engine import LLM
+from minivllm.exercises._common import own_part
 from minivllm.exercises.live import _reference, chat_prompts, drive
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence
 from minivllm.simulator import make_scheduler
-from minivllm.spec_decode import SpecAcceptor, accept_greedy
+from minivllm.spec_decode import MiniSpecAcceptor, accept_greedy
 
-__all__ = ["check_spec_acceptor"]
+__all__ = ["check_spec_acceptor", "METHODS"]
+
+METHODS = ("accept", "commit", "rollback", "cut_at_stop")  # what exercise 17 writes
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 BLOCK = 4  # the targeted cases' block size
@@ -88,7 +91,9 @@ def _state(sched, seq) -> dict:
     return {"output": list(seq.output_token_ids), "finished": seq.is_finished, "status": seq.status.name,
             "cached": seq.cached_token_count, "blocks": len(seq.block_table),
             "registered": [i for i, b in enumerate(seq.block_table) if bm.blocks[b].hash is not None],
-            "free": bm.num_free_blocks, "new": seq.new_token_count}
+            "cached tokens": {i: bm.blocks[b].tokens for i, b in enumerate(seq.block_table)
+                              if bm.blocks[b].hash is not None},  # what a later prompt finds each block under
+            "tokens": list(seq.token_ids), "free": bm.num_free_blocks, "new": seq.new_token_count}
 
 
 COMMIT_CASES = [  # (what, prompt length, draft, accepted, bonus, params); 7 tokens before the drafts
@@ -113,7 +118,7 @@ def _commit_case(cls, case):
     """The reader's commit and minivllm's on the same row: both states, the reader's scheduler, and the exception
     the reader's commit raised (None if none)."""
     what, prompt_len, draft, accepted, bonus, params = case
-    ref_sched, ref_seq, ref_out = _decode_row(SpecAcceptor, prompt_len, draft, params)
+    ref_sched, ref_seq, ref_out = _decode_row(MiniSpecAcceptor, prompt_len, draft, params)
     ref_sched.update(ref_out, [bonus], None, [accepted])
     sched, seq, out = _decode_row(cls, prompt_len, draft, params)
     try:
@@ -122,6 +127,20 @@ def _commit_case(cls, case):
     except Exception as e:
         error = e
     return _state(sched, seq), _state(ref_sched, ref_seq), sched, error
+
+
+def _check_cached_tokens(mine: dict, where: str, raised: str) -> None:
+    """Each block in the prefix cache holds, under its hash, the sequence's own tokens at its positions."""
+    for i, cached in mine["cached tokens"].items():
+        actual = tuple(mine["tokens"][i * BLOCK:(i + 1) * BLOCK])
+        if cached != actual:
+            raise AssertionError(
+                f"{where}: registering computed blocks before appending the tokens: block {i} (positions "
+                f"{i * BLOCK}..{i * BLOCK + BLOCK - 1}) is in the prefix cache under the tokens {list(cached)}, but "
+                f"the sequence's tokens there are {list(actual)}; when it was registered, the accepted drafts were "
+                "not appended yet, so a later prompt that repeats this one and its output never finds the block. "
+                "Append each token first (append(token)), then count it in seq.cached_token_count and register"
+                + raised)
 
 
 def _check_commit(cls) -> None:
@@ -157,6 +176,7 @@ def _check_commit(cls) -> None:
                 f"is in the prefix cache, but only positions 0..{valid - 1} hold an accepted token's KV (position "
                 f"{valid} is the bonus token, whose KV is computed next step; its slot still holds a rejected "
                 "draft's); count only the accepted drafts in seq.cached_token_count before registering")
+        _check_cached_tokens(mine, where, raised)
         if mine["cached"] != valid:
             more = mine["cached"] > valid
             raise AssertionError(
@@ -169,6 +189,12 @@ def _check_commit(cls) -> None:
                                  f"{ref['registered']}: register each accepted draft's full block "
                                  "(self.block_manager.register_computed_blocks(seq))")
         keep = cdiv(valid, BLOCK)
+        if mine["blocks"] > keep and mine["free"] >= ref["free"]:
+            raise AssertionError(
+                f"{where}: the blocks past the {valid} computed tokens went back to the pool ({mine['free']} blocks "
+                f"free, as expected) but are still in seq.block_table ({mine['blocks']} blocks, expected {keep}): "
+                "cut them from the table too (del seq.block_table[keep:]); a table that names freed blocks has the "
+                "next step write its KV into blocks another sequence may hold by then")
         if mine["blocks"] > keep:
             raise AssertionError(
                 f"{where}: leaving rejected slots claimed: the sequence still holds {mine['blocks']} blocks, but "
@@ -198,7 +224,7 @@ def _check_cut_at_stop(acceptor) -> None:
         what = (f"cut_at_stop(seq, new_tokens={new}, i={i}): a stop string ended at new_tokens[{i}] = {new[i]} "
                 f"(seq's output {mine.output_token_ids})")
         got = _call(what, acceptor.cut_at_stop, mine, list(new), i)
-        want = SpecAcceptor(None).cut_at_stop(ref, list(new), i)
+        want = MiniSpecAcceptor(None).cut_at_stop(ref, list(new), i)
         if mine.output_token_ids != ref.output_token_ids:
             kept = len(mine.output_token_ids) > len(ref.output_token_ids)
             raise AssertionError(
@@ -259,25 +285,31 @@ def _check_live(cls, requests, options: dict) -> str:
             f"{s.spec_decode_mean_tokens_per_step:.2f} tokens per step, {len(cuts)} stop string(s) inside a run")
 
 
-def check_spec_acceptor(cls) -> None:
+def check_spec_acceptor(cls, live: bool = True) -> None:
     """Check a ``SpecAcceptor`` subclass's ``accept``, ``commit``, ``rollback`` and ``cut_at_stop`` (chapter 17).
 
     Targeted cases first: the greedy rule (the first mismatch, the bonus
     token), one verified decode row through minivllm's scheduler and block
     manager (block size 4, prefix caching) per case (nothing, some, all
-    accepted; a stop token and max_tokens inside the run), and a stop string
-    inside the run. Then the live engine on SmolLM2 with the class as its
+    accepted; a stop token and max_tokens inside the run; the blocks in the
+    prefix cache and the tokens they are cached under), and a stop string
+    inside the run; the first failure stops the check. Then, unless
+    ``live=False``, the live engine on SmolLM2 with the class as its
     acceptor: chat prompts and prompts that repeat themselves (two ending at a
     stop string), greedy, with prefix caching and chunked prefill; every
     output must be exactly plain decoding's, the block invariants must hold
-    after every step and no block may leak.
+    after every step and no block may leak. An empty subclass is "not written
+    yet".
     """
+    cls = own_part(cls, METHODS, MiniSpecAcceptor)
     acceptor = cls(None)
     _check_accept(acceptor)
     _check_commit(cls)
     _check_cut_at_stop(acceptor)
     print("check_spec_acceptor: the first mismatch, the bonus token, the rollback of rejected slots, the prefix "
           "cache, max_tokens and stops inside the run are right (targeted cases).")
+    if not live:
+        return
     tok = load_tokenizer("smollm2-135m")
     options = dict(block_size=8, num_blocks=400, max_num_seqs=4, enable_prefix_caching=True,
                    enable_chunked_prefill=True, max_prefill_chunk_size=128, max_num_batched_tokens=160,

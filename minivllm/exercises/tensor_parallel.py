@@ -118,19 +118,22 @@ def _check_live(fn, model: str, world: int, requests, options: dict) -> str:
     return f"{len(requests)} requests, {len(schedule)} steps"
 
 
-def check_shard_weight(fn, model: str = "tiny-random-8h", world: int = 2) -> None:
+def check_shard_weight(fn, model: str = "tiny-random-8h", world: int = 2, live: bool = True) -> None:
     """Check ``fn(name, weight, rank, world, config)``, rank ``rank``'s shard of a checkpoint tensor (chapter 15).
 
     First every tensor of one Llama layer with SmolLM2's grouping (9 query
     heads, 3 KV heads), its embedding and LM head, on every rank of 1 and 3
     ranks, against the slices minivllm's loader reads; a difference names the
     tensor, the rank and the element, with a hint for each classic mistake.
-    Then the live engine with ``shard_weight=fn`` on ``world`` gloo ranks must
-    give the single-process engine's greedy tokens.
+    The first failure stops the check. Then, unless ``live=False``, the live
+    engine with ``shard_weight=fn`` on ``world`` gloo ranks must give the
+    single-process engine's greedy tokens.
     """
     cases = _check_targeted(fn)
     print(f"check_shard_weight: column-parallel, row-parallel, replicated and vocabulary-parallel shards are right "
           f"({cases} tensors of a 9-query-head, 3-KV-head layer, every rank of 1 and 3 ranks).")
+    if not live:
+        return
     prompts = [[(37 * i + j) % 200 + 3 for j in range(5 + 7 * i)] for i in range(4)]
     requests = [(str(i), p, greedy(6)) for i, p in enumerate(prompts)]
     options = dict(device="cpu", dtype="float32", num_blocks=32, block_size=8, max_num_seqs=4)

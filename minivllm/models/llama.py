@@ -11,52 +11,37 @@ and values live is the job of the ``kv`` object handed to :meth:`forward`
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.attention import NoCache, PagedBatch, PagedKVCache
+from minivllm.attention import NoCache, PagedBatch
 from minivllm.compiled_attention import RECOMPILE_LIMIT, write_and_attend
 from minivllm.config import EngineConfig
 
 PLAIN_MATMUL_MAX_ROWS = 3
-"""The most rows a packed model may multiply through the plain row-major weight (chapter 12).
+"""The most rows a packed float32 model multiplies through the plain row-major weight (chapter 12).
 
 One to three rows (a decode step of up to three sequences) make matrix-vector
-products, bound by streaming the weight from memory. Which layout streams it
-faster depends on the CPU and its BLAS: on the course's 2-core Intel Xeon the
-plain kernel (``F.linear``, MKL's) beat oneDNN's blocked layout at one to three
-rows; on a 2-core AMD EPYC it ran at half oneDNN's speed. So packing measures
-it (:func:`plain_rows_that_win`) and keeps the plain layout only for the row
-counts where it is clearly faster. Each side computes the same product to
-float32 rounding.
+products, bound by streaming the weight from memory, where MKL's plain kernel
+(``F.linear``) outran oneDNN's blocked layout on every CPU the course measured
+(Intel Xeons with AVX-512 and AMX, an AMD EPYC Zen 5). It is a rule, the same
+on every machine, never a timing at load: which kernel multiplies a row decides
+its float32 rounding, so a stopwatch would make the same prompt give different
+logits from one run to the next. :meth:`LlamaForCausalLM.set_plain_rows` pins
+another split (0: oneDNN for every row count).
 """
-
-PLAIN_MARGIN = 0.9
-"""A challenger layout is kept for a row count only where it takes at most this share of the incumbent's time."""
-
-COMPILED_MARGIN = 0.95
-"""The compiled decode is kept for a row count where it takes at most this share of the eager step's time.
-
-Looser than :data:`PLAIN_MARGIN`, because the race undersells it: on a 2-core
-AMD EPYC with AVX-512 the race put the compiled step at 0.85-0.9 of the eager
-one, batch-1 TPOT at 0.76-0.92 in the same processes, so a 0.9 margin dropped
-it in some loads. Where the two are level, either choice costs nothing.
-"""
-
-RACE_REPEATS = 9
-"""Timed rounds (after one warm-up) of the load-time race of the compiled decode against the eager one."""
 
 MATVEC_MAX_ROWS = 2
-"""The most rows ``compile_matvec``'s kernels may take (chapter 12).
+"""The most rows ``compile_matvec``'s kernels take (chapter 12).
 
 Compiled, :func:`matvec` reads each weight once for one or two rows and
 streams it close to the memory's speed: on a 2-core AMD EPYC it took 60-90%
 of oneDNN's packed time at one and two rows, and lost from three rows on,
-where the packed GEMM reuses each loaded weight for more rows.
+where the packed GEMM reuses each loaded weight for more rows. With
+``compile_matvec=True`` they take one and two rows, always (a rule, not a race).
 """
 
 MATVEC_EVENT = "compiled matvec"  # the profiler's name for a compiled matvec call (bench.decode_op_breakdown)
@@ -66,71 +51,6 @@ def use_packed(x: torch.Tensor, plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS) -> 
     """Whether ``x``'s rows go through the packed weight: more than ``plain_max_rows`` of them (in float32; a
     bfloat16 model always multiplies through oneDNN's packed layout)."""
     return x.shape[0] > plain_max_rows or x.dtype != torch.float32
-
-
-def time_layouts(pairs, rows, repeats: int = 5, compiled=None) -> dict[int, dict[str, float]]:
-    """Median seconds to multiply ``rows`` rows by every ``(row-major weight, packed weight)`` of ``pairs`` in turn,
-    through each layout: ``{rows: {"plain": s, "packed": s}}``, alternating after one warm-up round (no
-    ``"packed"`` where the packed weights are None). With ``compiled`` (a :class:`CompiledMatvec`), its time is
-    there too, as ``"compiled"``."""
-    run = {"plain": lambda xs: [F.linear(xs[w.shape[1]], w) for w, _ in pairs]}
-    if all(p is not None for _, p in pairs):
-        run["packed"] = lambda xs: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                                    for w, p in pairs]
-    if compiled is not None:
-        run["compiled"] = lambda xs: [compiled(xs[w.shape[1]], w) for w, _ in pairs]
-    out = {}
-    for r in rows:
-        xs = {k: torch.randn(r, k, dtype=pairs[0][0].dtype) for k in {w.shape[1] for w, _ in pairs}}
-        times = {name: [] for name in run}
-        for _ in range(repeats + 1):
-            for name, matmuls in run.items():
-                start = time.perf_counter()
-                matmuls(xs)
-                times[name].append(time.perf_counter() - start)
-        out[r] = {name: statistics.median(t[1:]) for name, t in times.items()}
-    return out
-
-
-def streamed_pairs(pairs, max_bytes: int = 64 << 20) -> list | None:
-    """The first ``pairs`` that hold ``max_bytes`` of weights (more than a CPU's last-level cache, so they stream
-    from memory as in a decode step); None where all of them hold less (a cache-sized model: nothing to measure)."""
-    chosen, total = [], 0
-    for w, p in pairs:
-        chosen.append((w, p))
-        total += w.numel() * w.element_size()
-        if total >= max_bytes:
-            return chosen
-    return None
-
-
-def rows_that_win(pairs, challenger: str, incumbent, max_rows: int, repeats: int = 5) -> int:
-    """The most rows (0 to ``max_rows``) up to which ``challenger`` takes at most :data:`PLAIN_MARGIN` of the time
-    of ``incumbent(rows)`` (a layout's name per row count), timed in turn up to the first row count that loses."""
-    wins = 0
-    while wins < max_rows:
-        t = time_layouts(pairs, [wins + 1], repeats)[wins + 1]
-        if t[challenger] > PLAIN_MARGIN * t[incumbent(wins + 1)]:
-            break
-        wins += 1
-    return wins
-
-
-def plain_rows_that_win(pairs, max_bytes: int = 64 << 20, repeats: int = 5) -> int:
-    """The most rows (0 to :data:`PLAIN_MATMUL_MAX_ROWS`) up to which the plain layout is clearly faster here.
-
-    Times the first ``pairs`` that hold ``max_bytes`` of weights
-    (:func:`streamed_pairs`) at 1, 2, 3 rows; a row count keeps the plain
-    layout where it takes at most :data:`PLAIN_MARGIN` of the packed time,
-    and so did every smaller one (timed in turn, up to the first that
-    loses). Under a second, once per model load. A model with fewer than
-    ``max_bytes`` of weights (``tiny-random``) is not timed: it keeps
-    :data:`PLAIN_MATMUL_MAX_ROWS`, so its tokens never depend on a timing.
-    """
-    chosen = streamed_pairs(pairs, max_bytes)
-    if chosen is None:
-        return PLAIN_MATMUL_MAX_ROWS
-    return rows_that_win(chosen, "plain", lambda rows: "packed", PLAIN_MATMUL_MAX_ROWS, repeats)
 
 
 def matvec(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -187,43 +107,6 @@ class CompiledMatvec(CountedCompile):
         super().__init__(matvec)
 
 
-RACE_CONTEXT = 256
-"""Tokens of context per row in :func:`time_compiled_decode`'s decode step (chapter 12): a chat turn's worth."""
-
-
-@torch.inference_mode()
-def time_compiled_decode(model, rows: int, repeats: int = 5, context: int = RACE_CONTEXT) -> dict[str, float]:
-    """Median seconds of a decode step's forward of ``rows`` rows, each at ``context`` tokens of paged KV (every
-    layer, its attention included, then the LM head), ``"compiled"`` (``compile_matvec``'s path: each layer's
-    compiled step, attention in place) and ``"eager"`` (the layouts' rule, the paged cache's attention),
-    alternating after one warm-up round: every weight streams from memory, as in a decode step."""
-    c, block_size = model.config, EngineConfig.block_size
-    blocks = -(-context // block_size)
-    kv = PagedKVCache.for_model(model, rows * blocks, block_size)
-    batch = PagedBatch([list(range(r * blocks, (r + 1) * blocks)) for r in range(rows)], [context] * rows,
-                       [1] * rows, block_size, "cpu", c.num_attention_heads // c.num_key_value_heads)
-    positions = torch.full((rows,), context - 1)
-    x = torch.randn(rows, c.hidden_size)
-    cos, sin = model.rope(positions, x.dtype)
-    keep, times = model.matvec_max_rows, {"eager": [], "compiled": []}
-
-    def forward(h):
-        for layer in model.model.layers:
-            h = layer(h, cos, sin, positions, kv, batch)
-        return model.lm_head(h)
-
-    try:
-        for _ in range(repeats + 1):
-            for name, on in (("eager", 0), ("compiled", rows)):
-                model._set_compiled_rows(on)
-                start = time.perf_counter()
-                forward(x)
-                times[name].append(time.perf_counter() - start)
-    finally:
-        model._set_compiled_rows(keep)
-    return {name: statistics.median(t[1:]) for name, t in times.items()}
-
-
 def matvec_agrees(compiled: CompiledMatvec, weights, max_rows: int) -> bool:
     """Compile ``compiled`` for every weight shape at 1 to ``max_rows`` rows and check it against ``F.linear``
     on seeded probes (to float32 rounding)."""
@@ -259,13 +142,13 @@ class Linear(nn.Linear):
     bound by how fast weights stream from memory; oneDNN's blocked weight
     layout streams them faster than the plain row-major matmul at decode batch
     sizes of four rows and more (up to ``plain_max_rows`` rows keep the plain
-    weight where it measured faster: :func:`plain_rows_that_win`).
+    weight: :data:`PLAIN_MATMUL_MAX_ROWS`).
     :meth:`LlamaForCausalLM.pack_weights` fills ``packed``; ``weight`` stays
     the checkpoint's tensor.
     """
 
     packed: torch.Tensor | None = None
-    plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights from a measurement (plain_rows_that_win)
+    plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights (the rule) or set_plain_rows
     matvec: CompiledMatvec | None = None  # set by compile_matvec, for up to matvec_max_rows rows
     matvec_max_rows: int = 0
 
@@ -302,7 +185,7 @@ class FusedMatmul:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
         biases = [m.bias for m in linears]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.plain_max_rows = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights from a measurement
+        self.plain_max_rows = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights (the rule) or set_plain_rows
         self.matvec: CompiledMatvec | None = None  # set by compile_matvec
         self.matvec_max_rows = 0
 
@@ -534,10 +417,17 @@ class LlamaForCausalLM(nn.Module):
         except Exception:  # any build without a working oneDNN path: plain F.linear is always right
             clear()
             return False
-        self.plain_max_rows = plain_rows_that_win(self.layout_pairs()) if w.dtype == torch.float32 else 0
-        for m in self.packed_matmuls():
-            m.plain_max_rows = self.plain_max_rows
+        self.set_plain_rows(PLAIN_MATMUL_MAX_ROWS if w.dtype == torch.float32 else 0)
         return True
+
+    def set_plain_rows(self, rows: int) -> None:
+        """Multiply up to ``rows`` rows through the row-major weights, more through oneDNN's packed ones (chapter 12):
+        the rule is :data:`PLAIN_MATMUL_MAX_ROWS` in float32; pin another split here (tests run every one)."""
+        if not 0 <= rows <= PLAIN_MATMUL_MAX_ROWS:
+            raise ValueError(f"rows must be in 0..{PLAIN_MATMUL_MAX_ROWS}, got {rows}")
+        self.plain_max_rows = rows
+        for m in self.packed_matmuls():
+            m.plain_max_rows = rows
 
     def _pack(self) -> None:
         """Fuse each layer's q/k/v and gate/up into a packed :class:`FusedMatmul`; pack o, down and the LM head."""
@@ -568,22 +458,20 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compile_matvec(self, max_rows: int = MATVEC_MAX_ROWS) -> int:
-        """Run up to ``max_rows`` rows through compiled :func:`matvec` kernels where they are clearly faster here
-        (chapter 12); returns how many rows they take (0: none, as before).
+        """Run up to ``max_rows`` rows through compiled :func:`matvec` kernels (chapter 12); returns how many rows
+        they take (0: none, as before).
 
         Compiles :func:`matvec` for every weight shape at 1 to ``max_rows`` rows
         (checked against ``F.linear``) and each decoder layer's halves around
         attention whole (:class:`CompiledLayer`, checked against the eager
         halves; where they fail, the layers run the matvec per matmul): seconds
-        once, as torch keeps the kernels on disk for the next process. Then
-        races a decode step through them, its paged attention included,
-        against the eager one (:func:`time_compiled_decode`), in turn from one
-        row up to the first row count where it is not clearly faster; a model
-        that fits in a cache is not timed and takes ``max_rows``. Float32 on
-        the CPU only; where compiling fails or disagrees, nothing changes
-        (``max_rows=0`` turns it all off). Call it after :meth:`pack_weights`;
-        :func:`~minivllm.models.load_model` does, with ``compile_matvec=True``,
-        for a model of its own.
+        once, as torch keeps the kernels on disk for the next process. They
+        then take every decode batch of up to ``max_rows`` rows: a rule, never
+        a race at load, so the same prompt gives the same logits in every
+        process. Float32 on the CPU only; where compiling fails or disagrees,
+        nothing changes (``max_rows=0`` turns it all off). Call it after
+        :meth:`pack_weights`; :func:`~minivllm.models.load_model` does, with
+        ``compile_matvec=True``, for a model of its own.
         """
         self.matvec, self.matvec_max_rows = None, 0
         matmuls, w = self.matmuls(), self.lm_head.weight
@@ -600,10 +488,8 @@ class LlamaForCausalLM(nn.Module):
             return 0
         self.matvec = compiled
         self.compiled_layers = self._compile_layers(max_rows)  # traces matvec into each half: set the rule first
-        cache_sized = streamed_pairs([(m.weight, None) for m in matmuls]) is None
-        wins = max_rows if cache_sized else self._compiled_rows_that_win(max_rows)
-        self._set_compiled_rows(wins)
-        return wins
+        self._set_compiled_rows(max_rows)
+        return max_rows
 
     def _set_compiled_rows(self, rows: int) -> None:
         """Up to ``rows`` rows through the compiled matvec and (where compiled) the layers' compiled halves."""
@@ -612,17 +498,6 @@ class LlamaForCausalLM(nn.Module):
             m.matvec, m.matvec_max_rows = self.matvec, rows
         for layer in self.model.layers:
             layer.compiled_max_rows = rows if self.compiled_layers is not None else 0
-
-    def _compiled_rows_that_win(self, max_rows: int, repeats: int = RACE_REPEATS) -> int:
-        """The most rows (0 to ``max_rows``) up to which the compiled decode (:func:`time_compiled_decode`) took at
-        most :data:`COMPILED_MARGIN` of the eager one's time, timed in turn up to the first row count that loses."""
-        wins = 0
-        while wins < max_rows:
-            t = time_compiled_decode(self, wins + 1, repeats)
-            if t["compiled"] > COMPILED_MARGIN * t["eager"]:
-                break
-            wins += 1
-        return wins
 
     def _compile_layers(self, rows: int) -> CompiledLayer | None:
         """Every decoder layer's halves compiled for up to ``rows`` rows (one :class:`CompiledLayer` shared by all),

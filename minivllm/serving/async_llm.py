@@ -42,12 +42,12 @@ import logging
 import threading
 from typing import AsyncIterator, Callable
 
-from minivllm.config import check, is_int, resolve
+from minivllm.config import NOT_WRITTEN, check, is_int, not_written, resolve
 from minivllm.distributed import WorkerError
 from minivllm.engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.serving.engine_loop import IDLE_WAIT_S, EngineLoop
+from minivllm.serving.engine_loop import IDLE_WAIT_S, EngineLoop, MiniEngineLoop
 from minivllm.timing import now
 
 __all__ = ["AsyncLLM", "RequestStream", "QueueFull", "ServerShuttingDown", "EngineRestarting", "RequestFailed"]
@@ -105,13 +105,16 @@ class AsyncLLM:
     """An ``LLMEngine`` served from one background thread to asyncio callers."""
 
     def __init__(self, engine: LLMEngine | Callable[[], LLMEngine], max_queue_size: int | None = None,
-                 metrics=None, loop_cls: type | str = EngineLoop):
+                 metrics=None, loop_cls: type | str = MiniEngineLoop):
         """``engine``: an engine, or a function the loop thread calls to build one (its error is raised here).
         ``loop_cls``: the :class:`EngineLoop` (sub)class, or its dotted name, that the loop thread turns."""
         check(max_queue_size is None or (is_int(max_queue_size) and max_queue_size >= 0), "max_queue_size",
               "None (no limit) or an integer >= 0", max_queue_size)
         self.loop_cls = resolve(loop_cls, "loop_cls")
         check(issubclass(self.loop_cls, EngineLoop), "loop_cls", "a subclass of EngineLoop", self.loop_cls)
+        left = not_written(self.loop_cls)  # EngineLoop itself only declares the turn (exercise 13)
+        check(not left, "loop_cls", "an EngineLoop subclass whose turn is written (the default is MiniEngineLoop)",
+              f"{self.loop_cls.__name__} ({NOT_WRITTEN}: {', '.join(left)})")
         self.metrics = metrics  # a ServerMetrics (or None): updated from the loop thread
         self.accepting = True
         self.loop: EngineLoop | None = None  # built by the loop thread, around the engine it builds

@@ -7,7 +7,9 @@ requests and aborts, in the order they came, and the table of open
 request's queue. ``AsyncLLM`` keeps the rest: building and rebuilding the
 engine, the shutdown deadline, and failing what is in flight when a turn
 raises. It is an extension point: ``AsyncLLM(engine, loop_cls=...)`` builds a
-subclass instead (the reader's, in exercise 13).
+subclass instead (the reader's, in exercise 13). :class:`EngineLoop` is the
+interface and what a turn is given; :class:`MiniEngineLoop` is minivllm's own
+turn, ``AsyncLLM``'s default.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import deque
 from minivllm.outputs import RequestOutput
 from minivllm.timing import now
 
-__all__ = ["EngineLoop", "IDLE_WAIT_S", "STATS_EVERY_S"]
+__all__ = ["EngineLoop", "MiniEngineLoop", "IDLE_WAIT_S", "STATS_EVERY_S"]
 
 log = logging.getLogger("minivllm.serving")
 IDLE_WAIT_S = 0.5  # an idle loop thread wakes this often (to publish stats, to notice a deadline)
@@ -100,9 +102,26 @@ class EngineLoop:
                 log.exception("reading the engine's stats failed")
         self.metrics.record(outputs, stats)
 
-    # -- the turn (exercise 13 has the reader write these three) -------------------------------------
+    # -- the turn (exercise 13 has the reader write these three; minivllm's own: MiniEngineLoop) ------
     def take_inbox(self) -> None:
-        """Everything in the inbox into the engine, in order: adds, and aborts; a refused add ends that request."""
+        """Everything in the inbox into the engine, in order (``self.inbox.popleft()`` until it is empty): each add
+        (``self.engine.add_request``; a refused one, a ``ValueError``, ends that request alone with the error, and
+        the rest goes on), each abort (``self.abort``)."""
+        raise NotImplementedError("not written yet: EngineLoop.take_inbox")
+
+    def route(self, outputs: list[RequestOutput]) -> None:
+        """Each output to its own request's stream; a finished one is its stream's last."""
+        raise NotImplementedError("not written yet: EngineLoop.route")
+
+    def turn(self) -> list[RequestOutput] | None:
+        """One turn: the inbox, then a step and its outputs routed (returned); or, with nothing to do, idle (None)."""
+        raise NotImplementedError("not written yet: EngineLoop.turn")
+
+
+class MiniEngineLoop(EngineLoop):
+    """minivllm's own turn (``AsyncLLM``'s default ``loop_cls``): exercise 13's three methods."""
+
+    def take_inbox(self) -> None:
         while self.inbox:
             item = self.inbox.popleft()
             if item[0] == "abort":
@@ -115,12 +134,10 @@ class EngineLoop:
                 self.deliver(request_id, e, last=True)
 
     def route(self, outputs: list[RequestOutput]) -> None:
-        """Each output to its own request's stream; a finished one is its stream's last."""
         for out in outputs:
             self.deliver(out.request_id, out, last=out.finished)
 
     def turn(self) -> list[RequestOutput] | None:
-        """One turn: the inbox, then a step and its outputs routed (returned); or, with nothing to do, idle (None)."""
         self.take_inbox()
         if not self.engine.has_unfinished_requests():
             self.idle()

@@ -3,8 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from minivllm.attention import PagedKVCache
-from minivllm.cuda_graphs import DecodeGraphRunner
+from minivllm.attention import MiniPagedKVCache, PagedKVCache
+from minivllm.cuda_graphs import MiniDecodeGraphRunner
 from minivllm.exercises import check_paged_attention
 from minivllm.model_runner import StepInputs
 
@@ -107,7 +107,7 @@ class WritesLayerZero(MyPagedKVCache):
         return super().forward(0, q, k, v, positions, batch)
 
 
-CHECKS = [Check("05", check_paged_attention, [MyPagedKVCache, ByHandSoftmax, PagedKVCache], {
+CHECKS = [Check("05", check_paged_attention, [MyPagedKVCache, ByHandSoftmax], {
     "reads before writing": (_variant(read_first=True), "read before"),
     "mask ignored": (_variant(mask=lambda m: torch.ones_like(m)), "mask was ignored"),
     "decode groups without their mask": (_variant(mask=lambda m: torch.ones_like(m) if m.shape[1] == 1 else m),
@@ -131,14 +131,14 @@ def test_padding_rows_of_a_replayed_decode_step_write_no_real_slot(tiny):
     """
     model, _ = tiny
     hidden = {}
-    for cls in (MyPagedKVCache, PagedKVCache):
+    for cls in (MyPagedKVCache, MiniPagedKVCache):
         cache = cls.for_model(model, 16, 4)
         g = torch.Generator().manual_seed(0)
         cache.k_slots.copy_(torch.randn(cache.k_slots.shape, generator=g))  # every slot holds some earlier key
         cache.v_slots.copy_(torch.randn(cache.v_slots.shape, generator=g))
         before = cache.k.clone(), cache.v.clone()
-        graphs = DecodeGraphRunner(model, cache, 4, 4, 64, model.config.num_attention_heads //
-                                   model.config.num_key_value_heads, capture=False)
+        graphs = MiniDecodeGraphRunner(model, cache, 4, 4, 64, model.config.num_attention_heads //
+                                       model.config.num_key_value_heads, capture=False)
         step = StepInputs([7, 8, 9], [5, 6, 2], [21, 26, 34], [[1, 5], [3, 6], [8]], [6, 7, 3], [1, 1, 1],
                           [0, 1, 2])
         assert graphs.load(step) == 4 and graphs.slot_mapping[3].item() == -1  # one padding row
@@ -146,4 +146,4 @@ def test_padding_rows_of_a_replayed_decode_step_write_no_real_slot(tiny):
         for pool, old in zip((cache.k, cache.v), before):
             changed = (pool != old).flatten(3).any(-1).flatten(1, 2).any(0).nonzero().flatten().tolist()
             assert changed == [21, 26, 34], f"{cls.__name__} wrote the real slots {changed}"
-    assert torch.allclose(hidden[MyPagedKVCache], hidden[PagedKVCache], atol=1e-5)
+    assert torch.allclose(hidden[MyPagedKVCache], hidden[MiniPagedKVCache], atol=1e-5)

@@ -63,7 +63,7 @@ def _admit(skip_unfitting=False, budget=True, seats=True, blocks=True, lookup=Tr
     return type("WrongScheduler", (MyScheduler,), {"schedule_waiting": schedule_waiting})
 
 
-CHECKS = [Check("06", check_scheduler, [MyScheduler, Scheduler], {
+CHECKS = [Check("06", check_scheduler, [MyScheduler], {
     "prefills before decodes": (PrefillsFirst, "decodes first"),
     "a small request overtakes": (_admit(skip_unfitting=True), "first come, first served"),
     "budget overrun": (_admit(budget=False), "budget overrun"),

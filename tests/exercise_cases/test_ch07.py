@@ -141,7 +141,7 @@ class ForgetsSelfText(MyDetokenizer):
 
 
 CHECKS = [
-    Check("07", check_sampler, [MySampler, BatchedSampler, Sampler], {
+    Check("07", check_sampler, [MySampler, BatchedSampler], {
         "top-k off by one": (_sampler(_filter(k_extra=1)), "top-k off by one: it keeps k \\+ 1"),
         "top-p drops the crossing token": (_sampler(_filter(top_p_rule=lambda cum, probs, top_p: cum < top_p)),
                                            "dropped the token that crosses p"),
@@ -161,7 +161,7 @@ CHECKS = [
                                        "self.generator"),
         "greedy rows sampled": (_sampler(greedy=lambda row, p: (row, type(p)(temperature=1.0))), "argmax"),
     }, passes="the live engine"),
-    Check("07", check_detokenizer, [MyDetokenizer, IncrementalDetokenizer], {
+    Check("07", check_detokenizer, [MyDetokenizer], {
         "decodes each token alone": (DecodesEachToken, "U\\+FFFD"),
         "drops half characters": (DropsHalfCharacters, "text was lost"),
         "returns the whole text": (ReturnsTheWholeText, "only the new text"),

@@ -170,7 +170,7 @@ def lookup_and_claim(self, seq):
     return hits
 
 
-CHECKS = [Check("08", check_prefix_cache, [MyBlockManager, BlockManager], {
+CHECKS = [Check("08", check_prefix_cache, [MyBlockManager], {
     "the hash ignores the parent": (_wrong(lookup_prefix=_lookup(hash_parent=False),
                                            register_computed_blocks=_register(hash_parent=False)),
                                     "ignores the parent"),

@@ -52,7 +52,7 @@ class ChunkOrWait(MyScheduler):
         return n if n == whole or not self.config.enable_chunked_prefill else 0
 
 
-CHECKS = [Check("09", check_chunked_prefill, [MyScheduler, Scheduler], {
+CHECKS = [Check("09", check_chunked_prefill, [MyScheduler], {
     "the budget left ignored": (_chunk(budget_left=False), "budget left"),
     "the chunk size ignored": (_chunk(chunk_size=False), "at most max_prefill_chunk_size"),
     "a chunk that does not fit waits": (ChunkOrWait, "cut to the budget left"),

@@ -96,7 +96,7 @@ def test_accounting_example_is_the_source_notes():
     assert (cost.released_blocks, cost.recompute_tokens, round(cost.swap_roundtrip_ms, 3)) == (2, 7, 0.306)
 
 
-CHECKS = [Check("10", check_preemption, [MyScheduler, Scheduler], {
+CHECKS = [Check("10", check_preemption, [MyScheduler], {
     "the victim ignores priority": (IgnoresPriority, "ignores priority"),
     "the earliest arrival evicted": (_victim(_ranked_below, pick=min), "earliest arrival"),
     "protection ignored": (_victim(_ranked_below, protect=False), "protection ignored"),

@@ -112,7 +112,7 @@ class RowsReversed(MyGraphRunner):
         return b
 
 
-CHECKS = [Check("12", check_graph_runner, [MyGraphRunner, FillsInPlace, DecodeGraphRunner], {
+CHECKS = [Check("12", check_graph_runner, [MyGraphRunner, FillsInPlace], {
     "padding rows write slot 0": (PadsWithSlotZero, "real slot of block 0"),
     "only the real rows rewritten": (WritesOnlyRealRows, "kept the slot of an earlier step"),
     "no bucket": (NoBucket, r"smallest captured size that holds the batch"),

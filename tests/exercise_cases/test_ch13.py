@@ -6,6 +6,18 @@ from minivllm.serving.engine_loop import EngineLoop
 from exercise_cases import Check
 
 
+def take_one(loop, item):
+    """One inbox item into the engine, as the solution does it."""
+    if item[0] == "abort":
+        loop.abort(item[1])
+        return
+    _, request_id, token_ids, params, arrival_time = item
+    try:
+        loop.engine.add_request(request_id, token_ids, params, arrival_time=arrival_time)
+    except ValueError as e:
+        loop.deliver(request_id, e, last=True)
+
+
 class MyEngineLoop(EngineLoop):
     """The solution notebook's answer."""
 
@@ -48,6 +60,62 @@ class SkipsAbortedAdds(MyEngineLoop):
                     self.engine.add_request(item[1], item[2], item[3], arrival_time=item[4])
                 except ValueError as e:
                     self.deliver(item[1], e, last=True)
+
+
+class TakesACopyUnderTheLock(MyEngineLoop):
+    """Right too: the inbox copied and cleared at once under the lock the handlers append under, then taken."""
+
+    def take_inbox(self):
+        with self.guard:
+            items = list(self.inbox)
+            self.inbox.clear()
+        for item in items:
+            take_one(self, item)
+
+
+class IteratesThenClears(MyEngineLoop):
+    """The issue's loop: over the inbox, then clear it; a handler appending meanwhile breaks the iteration."""
+
+    def take_inbox(self):
+        for item in self.inbox:
+            take_one(self, item)
+        self.inbox.clear()
+
+
+class CopiesThenClears(MyEngineLoop):
+    """Over a copy of the inbox, then clear it: no error, but what arrived meanwhile is cleared away."""
+
+    def take_inbox(self):
+        for item in list(self.inbox):
+            take_one(self, item)
+        self.inbox.clear()
+
+
+class CopiesWithoutTheLock(MyEngineLoop):
+    """Copy, clear, then take: what a handler appends between the copy and the clear is lost."""
+
+    def take_inbox(self):
+        items = list(self.inbox)
+        self.inbox.clear()
+        for item in items:
+            take_one(self, item)
+
+
+class OneTryAroundTheLoop(MyEngineLoop):
+    """The issue's loop: one try around the whole inbox; after a refused add the rest waits a turn."""
+
+    def take_inbox(self):
+        request_id = None
+        try:
+            while self.inbox:
+                item = self.inbox.popleft()
+                if item[0] == "abort":
+                    self.abort(item[1])
+                    continue
+                _, request_id, token_ids, params, arrival_time = item
+                self.engine.add_request(request_id, token_ids, params, arrival_time=arrival_time)
+        except ValueError as e:
+            self.deliver(request_id, e, last=True)
 
 
 class StepsWhenIdle(MyEngineLoop):
@@ -174,7 +242,7 @@ class RefusalLeftOpen(MyEngineLoop):
                 self.deliver(item[1], e)
 
 
-CHECKS = [Check("13", check_engine_loop, [MyEngineLoop, EngineLoop, SkipsAbortedAdds], {
+CHECKS = [Check("13", check_engine_loop, [MyEngineLoop, SkipsAbortedAdds, TakesACopyUnderTheLock], {
     "steps an idle engine": (StepsWhenIdle, "instead of stepping"),
     "never sleeps": (NeverSleeps, "without calling self.idle"),
     "adds after the step": (AddsAfterTheStep, "r2 waited in the inbox"),
@@ -190,4 +258,12 @@ CHECKS = [Check("13", check_engine_loop, [MyEngineLoop, EngineLoop, SkipsAborted
     "a refused add escapes": (RefusalEscapes, "escaped the turn"),
     "a refused add swallowed": (RefusalSwallowed, "waits forever"),
     "a refused add left open": (RefusalLeftOpen, "still open"),
+    "iterates over the inbox, then clears it": (IteratesThenClears, (
+        "deque mutated during iteration", "take_inbox was iterating over self.inbox", r"self.inbox.popleft\(\)")),
+    "iterates over a copy, then clears the inbox": (CopiesThenClears, (
+        "r2 never reached the engine", "the inbox was cleared after r2 arrived", "never iterate")),
+    "copies and clears without the lock": (CopiesWithoutTheLock, (
+        "right after take_inbox read the inbox", "r2 was lost", "self.guard")),
+    "one try around the whole inbox loop": (OneTryAroundTheLoop, (
+        "r2's add and r3's abort waited for the next turn", "one try around the whole inbox loop")),
 }, passes="the live server")]

@@ -128,7 +128,18 @@ class KeepsPins(MyOffloadTier):
         pass
 
 
-CHECKS = [Check("14", check_offload_tier, [MyOffloadTier, OffloadTier], {
+class CountsEachPinOnce(MyOffloadTier):
+    """Passes every targeted case (one restore each): a block restored twice in one step is counted once."""
+
+    def restore(self, h):
+        if h not in self.pinned:
+            self.num_restored += 1
+        self.pinned.add(h)
+        self.entries.move_to_end(h)
+        return self.entries[h].slot
+
+
+CHECKS = [Check("14", check_offload_tier, [MyOffloadTier], {
     "find by hash only": (FindsByHashOnly, "hash collision"),
     "find reorders the LRU": (FindTouchesLRU, "pure lookup"),
     "copies a block already there": (CopiesAgain, "already in the tier"),
@@ -141,4 +152,6 @@ CHECKS = [Check("14", check_offload_tier, [MyOffloadTier, OffloadTier], {
     "restore is not a use": (RestoreKeepsLRUOrder, "a restore is a use"),
     "restore takes the entry out": (RestoreTakesTheEntry, "keep it"),
     "pins kept after the step": (KeepsPins, "clear every pin"),
+    "a restore counted once per pin (random operations)": (CountsEachPinOnce, (
+        r"num_restored is \d+, expected \d+", "the rule for restore\(\d\) here: restore pins the entry", "counts it")),
 }, passes="the live engine")]

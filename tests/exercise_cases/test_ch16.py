@@ -32,7 +32,29 @@ class MyHandoff:
 
 
 class FinallyHandoff(MyHandoff):
-    """Another shape: the free in a finally (after fail), a hand-written ValueError for the first field that differs."""
+    """Another shape: the free in a finally, the failure after it; a hand-written ValueError for the first field that
+    differs."""
+
+    def transfer(self, request_id, send, release, fail):
+        failed = None
+        try:
+            return send()
+        except LinkError as error:
+            failed = error
+            return None
+        finally:
+            release()
+            if failed is not None:
+                fail(failed)
+
+    def check_fingerprints(self, prefill, decode):
+        differ = [k for k in FINGERPRINT_FIELDS if prefill[k] != decode[k]]
+        if differ:
+            raise ValueError(f"{differ[0]} differs: prefill {prefill[differ[0]]!r}, decode {decode[differ[0]]!r}")
+
+
+class FailsBeforeFreeing(MyHandoff):
+    """The issue's shape: the free in a finally, so fail(error) runs first, while the blocks are still held."""
 
     def transfer(self, request_id, send, release, fail):
         try:
@@ -42,11 +64,6 @@ class FinallyHandoff(MyHandoff):
             return None
         finally:
             release()
-
-    def check_fingerprints(self, prefill, decode):
-        differ = [k for k in FINGERPRINT_FIELDS if prefill[k] != decode[k]]
-        if differ:
-            raise ValueError(f"{differ[0]} differs: prefill {prefill[differ[0]]!r}, decode {decode[differ[0]]!r}")
 
 
 class FreesBeforeSending(MyHandoff):
@@ -204,6 +221,8 @@ def test_the_live_run_sees_a_leak_in_the_workers():
 
 
 CHECKS = [Check("16", check_kv_handoff, [MyHandoff, FinallyHandoff], {
+    "fails the request before freeing its blocks": (FailsBeforeFreeing, (
+        r"fail\(\) came before release\(\)", "whether the prefill worker's blocks are free", "free them first")),
     "frees before the ack": (FreesBeforeSending, ("freed before the decode worker acknowledged", "ACK_OWNED")),
     "keeps the blocks on a timeout": (KeepsOnTimeout, ("still held after the failed transfer", "leaks",
                                                        "never answers")),

@@ -74,6 +74,40 @@ class CountsTheBonus(MySpecAcceptor):
         self.rollback(seq, seq.cached_token_count - 1)
 
 
+class CountsBeforeAppending(MySpecAcceptor):
+    """The issue's commit: the accepted drafts counted and their blocks registered before the tokens are appended."""
+
+    def commit(self, seq, tokens, append):
+        seq.cached_token_count += len(tokens) - 1
+        self.block_manager.register_computed_blocks(seq)
+        for token in tokens:
+            if append(token):
+                return
+        self.rollback(seq, seq.cached_token_count)
+
+
+class RegistersBeforeEachAppend(MySpecAcceptor):
+    """The same slip token by token: each draft counted and registered just before its own append."""
+
+    def commit(self, seq, tokens, append):
+        for i, token in enumerate(tokens):
+            if i < len(tokens) - 1:
+                seq.cached_token_count += 1
+                self.block_manager.register_computed_blocks(seq)
+            if append(token):
+                return
+        self.rollback(seq, seq.cached_token_count)
+
+
+class RollbackKeepsTheTable(MySpecAcceptor):
+    """The blocks go back to the pool, but seq.block_table still names them."""
+
+    def rollback(self, seq, num_tokens):
+        bm = self.block_manager
+        for block in reversed(seq.block_table[cdiv(num_tokens, bm.block_size):]):
+            bm.release(block)
+
+
 class NeverCountsDrafts(MySpecAcceptor):
     def commit(self, seq, tokens, append):
         for token in tokens:
@@ -105,7 +139,7 @@ class DropsTheStopToken(MySpecAcceptor):
         return new_tokens[:i]
 
 
-CHECKS = [Check("17", check_spec_acceptor, [MySpecAcceptor, SpecAcceptor], {
+CHECKS = [Check("17", check_spec_acceptor, [MySpecAcceptor], {
     "accepts past the first mismatch": (AcceptsEveryMatch, "accepted past the first mismatch"),
     "forgets the bonus token": (NoBonus, "forgot the bonus token"),
     "bonus from the last row": (BonusFromLastRow, r"must be target\[1\]"),
@@ -113,6 +147,13 @@ CHECKS = [Check("17", check_spec_acceptor, [MySpecAcceptor, SpecAcceptor], {
     "releases a block of accepted tokens": (RollbackFloor, "released a block that still holds accepted tokens"),
     "caches a block with rejected tokens": (CountsTheBonus, "caching a block with rejected tokens"),
     "accepted drafts never counted": (NeverCountsDrafts, "count it"),
+    "counts and registers before appending": (CountsBeforeAppending, (
+        "registering computed blocks before appending the tokens", r"block 1 \(positions 4..7\)",
+        "Append each token first")),
+    "registers each draft before its append": (RegistersBeforeEachAppend, (
+        "registering computed blocks before appending the tokens", "Append each token first")),
+    "rollback keeps the blocks in the table": (RollbackKeepsTheTable, (
+        "went back to the pool", "still in seq.block_table", r"del seq.block_table\[keep:\]")),
     "overshoots max_tokens": (IgnoresTheEnd, "overshooting max_tokens"),
     "keeps the tokens after a stop string": (KeepsAfterStop, "a stop string inside the accepted run"),
     "drops the stop string's token": (DropsTheStopToken, "stays"),
