@@ -283,8 +283,8 @@ class EngineConfig:
                      "offload_tier_cls", "graph_runner_cls", "spec_acceptor_cls"):
             cls = resolve(getattr(self, name), name)
             left = not_written(cls)  # e.g. the interface an exercise subclasses, named instead of minivllm's own
-            check(not left, name, f"a class whose methods are written (the default is {getattr(EngineConfig, name)})",
-                  f"{cls.__name__} ({NOT_WRITTEN}: {', '.join(left)})")
+            check(not left, name, f"a class whose methods are written ({NOT_WRITTEN}: {', '.join(left)}; the default "
+                                  f"is {getattr(EngineConfig, name)})", cls.__name__)
         resolve_function(self.shard_weight, "shard_weight", ("name", "weight", "rank", "world", "config"))
         resolve_function(self.kv_handoff_cls, "kv_handoff_cls", ())
 
