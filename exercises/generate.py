@@ -3,7 +3,12 @@
 In a solution notebook the reader's part sits between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION`` lines. Each such region becomes
 ``raise NotImplementedError("not written yet: Class.method")`` at the marker's
-indentation, naming the function around it. Cells tagged ``check`` (the ones
+indentation, naming the function around it. In a cell that writes a C++ file
+(``%%writefile your_engine/....cpp``, exercise 18) the markers are
+``// BEGIN SOLUTION`` and ``// END SOLUTION``, and a region becomes
+``MINIVLLM_NOT_WRITTEN(function);``, which makes the op that calls the
+function fail with "not written yet: function" (a ``NotImplementedError`` in
+Python). Cells tagged ``check`` (the ones
 that call the reader's code) and cells whose region is at the top level would
 then raise, so they get the ``raises-exception`` tag that nbval and Jupyter
 Book honour; ``exercises/conftest.py`` reports such a cell as skipped, with
@@ -28,6 +33,10 @@ BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 NOT_WRITTEN = "not written yet"  # minivllm.exercises.progress looks for it too
 STUB = 'raise NotImplementedError("' + NOT_WRITTEN + ': {}")'
 ANSWER = "answer"  # the tag of cells that only the solution notebook keeps
+CPP_BEGIN, CPP_END = "// BEGIN SOLUTION", "// END SOLUTION"  # in a cell that writes a C++ file
+CPP_STUB = "MINIVLLM_NOT_WRITTEN({});  // " + NOT_WRITTEN  # minivllm/kernels/csrc/inner.h defines the macro
+CPP_SUFFIXES = (".cpp", ".cc", ".h", ".hpp")
+CPP_FUNCTION = re.compile(r"(\s*)(?:(?:inline|static|constexpr)\s+)*[\w:<>]+[\s*&]+(\w+)\s*\([^;]*$")
 BANNER = (
     "> **Exercise notebook.** Fill in every `raise NotImplementedError(\"not written yet: ...\")`, then run the "
     "check cells; the worked solution is in `solutions/` of the repository. "
@@ -47,41 +56,68 @@ def part_name(lines: list[str], indent: str) -> str:
     return ".".join(reversed(names)) or "this cell"
 
 
+def cpp_function(lines: list[str], indent: str) -> str:
+    """The C++ function whose body holds a region at ``indent``: the nearest definition above, less indented."""
+    for line in reversed(lines):
+        m = CPP_FUNCTION.match(line)
+        if m and len(m.group(1)) < len(indent):
+            return m.group(2)
+    raise ValueError("a // BEGIN SOLUTION region must sit inside a C++ function's body")
+
+
+def is_cpp(source: str) -> bool:
+    """Whether a cell writes a C++ file (``%%writefile path.cpp``): its regions are marked ``//``."""
+    first = source.split("\n", 1)[0].split()
+    return len(first) == 2 and first[0] == "%%writefile" and first[1].endswith(CPP_SUFFIXES)
+
+
 def is_stub(line: str) -> bool:
-    return line.strip().startswith(STUB.split("{")[0])
+    return line.strip().startswith((STUB.split("{")[0], CPP_STUB.split("{")[0]))
+
+
+def _markers(source: str) -> tuple[str, str]:
+    return (CPP_BEGIN, CPP_END) if is_cpp(source) else (BEGIN, END)
 
 
 def strip_solutions(source: str) -> tuple[str, bool, bool]:
     """Return ``(source with regions stubbed, any region found, a region at top level)``."""
+    begin, end = _markers(source)
+    cpp = begin == CPP_BEGIN
     out, inside, found, top = [], False, False, False
     for line in source.split("\n"):
         stripped = line.strip()
-        if stripped.startswith(BEGIN):
+        if stripped.startswith(begin):
             if inside:
-                raise ValueError(f"nested {BEGIN!r}")
+                raise ValueError(f"nested {begin!r}")
             indent = line[: len(line) - len(line.lstrip())]
-            out.append(indent + STUB.format(part_name(out, indent)))
-            inside, found, top = True, True, top or indent == ""
-        elif stripped.startswith(END):
+            stub = CPP_STUB.format(cpp_function(out, indent)) if cpp else STUB.format(part_name(out, indent))
+            out.append(indent + stub)
+            inside, found, top = True, True, top or (indent == "" and not cpp)
+        elif stripped.startswith(end):
             if not inside:
-                raise ValueError(f"{END!r} without {BEGIN!r}")
+                raise ValueError(f"{end!r} without {begin!r}")
             inside = False
         elif not inside:
             out.append(line)
     if inside:
-        raise ValueError(f"{BEGIN!r} without {END!r}")
+        raise ValueError(f"{begin!r} without {end!r}")
     return "\n".join(out), found, top
+
+
+CPP_BANNER = (" In the C++ cells, replace every `MINIVLLM_NOT_WRITTEN(...)` line with the function's body: until "
+              "then the op that calls it raises `NotImplementedError(\"not written yet: ...\")`.")
 
 
 def make_exercise(solution: dict) -> dict:
     """The exercise version of a solution notebook (a JSON dict), outputs cleared."""
     nb = copy.deepcopy(solution)
     nb["cells"] = [c for c in nb["cells"] if ANSWER not in c.get("metadata", {}).get("tags", [])]
-    regions = 0
+    regions, cpp = 0, False
     for cell in nb["cells"]:
         if cell["cell_type"] != "code":
             continue
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        cpp = cpp or is_cpp(source)
         source, found, top = strip_solutions(source)
         regions += found
         cell["source"] = source
@@ -90,18 +126,20 @@ def make_exercise(solution: dict) -> dict:
         if (top or "check" in tags) and "raises-exception" not in tags:
             tags.append("raises-exception")
     if regions == 0 and not nb["metadata"].get("minivllm", {}).get("capstone"):
-        raise ValueError("a solution notebook needs at least one '# BEGIN SOLUTION' region (or be the capstone)")
-    nb["cells"].insert(1, {"cell_type": "markdown", "metadata": {}, "source": BANNER})
+        raise ValueError("a solution notebook needs at least one '# BEGIN SOLUTION' region (or '// BEGIN SOLUTION' "
+                         "in a C++ cell; or be the capstone)")
+    nb["cells"].insert(1, {"cell_type": "markdown", "metadata": {}, "source": BANNER + CPP_BANNER * cpp})
     return nb
 
 
 def solution_regions(source: str) -> list[str]:
     """The text of each marked region of a cell, markers excluded, in order."""
+    begin, end = _markers(source)
     regions, current = [], None
     for line in source.split("\n"):
-        if line.strip().startswith(BEGIN):
+        if line.strip().startswith(begin):
             current = []
-        elif line.strip().startswith(END):
+        elif line.strip().startswith(end):
             regions.append("\n".join(current))
             current = None
         elif current is not None:

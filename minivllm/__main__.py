@@ -23,7 +23,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.bench import (WORKLOADS, speculative_main, check_workload_sizes, format_results, make_workload, measure_machine,
                             roofline, run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
                             run_static, same_outputs, step_breakdown)
-from minivllm.bench.cli import (add_chunked_prefill_flag, add_compile_flags, add_min_max, block_size_int,
+from minivllm.bench.cli import (add_chunked_prefill_flag, add_kernel_flags, kernel_options, add_min_max, block_size_int,
                                 check_token_budget, chunked_prefill_options, device_name, nonneg_finite_float,
                                 nonneg_int, positive_finite_float, positive_int, probability, server_url, top_k_int,
                                 unicode_text, writable_file)
@@ -33,6 +33,7 @@ from minivllm.bench.peers import (ALIASES, COMPARE_PEERS, PeerMissing, batch1_tp
 from minivllm.config import cdiv, default_device
 from minivllm.cpu_malloc import keep_freed_memory, malloc_in_force
 from minivllm.models import load_model, load_tokenizer, model_folder
+from minivllm.models.linear import QUANTIZED_MAX_ROWS
 from minivllm.serving.cli import add_serve_arguments, check_model, serve_main
 from minivllm.serving.protocol import param_of
 from minivllm.simple_generation import chat_prompt_ids
@@ -75,7 +76,7 @@ def _generate(args, parser) -> int:
 
 
 COMPARISONS = ("hf-batch", "hf-static", "hf-single", "static", "contiguous", "naive")
-PEER_COMPARISONS = ("vllm", "vllm-eager", "vllm-compiled", "llamacpp")  # the real engines (bench/peers)
+PEER_COMPARISONS = ("vllm", "vllm-eager", "vllm-compiled", "llamacpp", "llamacpp-q4_1")  # the real engines (bench/peers)
 
 
 def comparison_list(text: str) -> list[str]:
@@ -166,11 +167,7 @@ def _engine_options(args, device) -> dict:
         opts["tensor_parallel_size"] = args.tensor_parallel_size
     if args.kv_offload_blocks:
         opts["kv_offload_blocks"] = args.kv_offload_blocks
-    if args.compile_attention:
-        opts["compile_attention"] = True
-    if args.compile_matvec:
-        opts["compile_matvec"] = True
-    return opts
+    return opts | kernel_options(args)
 
 
 def _batch1_tpot(model: str, opts: dict, workload) -> float:
@@ -189,9 +186,8 @@ def _print_report(args, workload, results, slo, limits, bound) -> None:
     print(f"KV pool: {ours.steps[0].total_blocks} blocks of {args.block_size}; in use mean {sum(used) / len(used):.0%}, "
           f"peak {max(used):.0%}; slots in partly filled blocks {100 * sum(waste) / max(1, len(waste)):.1f}% of used; "
           f"preemptions {ours.stats.num_preemptions}; {len(ours.steps)} steps")
-    print(f"attention: {ours.stats.attention_kernel}" + (
-        f"; compiled in {ours.stats.attention_compile_seconds:.1f} s before timing (batch buckets "
-        f"{ours.stats.attention_compiled_buckets})" if ours.stats.attention_compiled_buckets else ""))
+    print(f"attention: {ours.stats.attention_kernel}; kernels: {ours.stats.kernels}"
+          + (f"; weights: {ours.stats.quantization}" if ours.stats.quantization else ""))
     if limits:
         print(f"machine: {limits}")
         print(f"roofline for this workload: {bound['seconds']:.2f} s ({bound['prefill_s']:.2f} s prefill, "
@@ -262,7 +258,7 @@ def _bench(args, parser) -> int:
     compare = [c for c in compare if c != "none"]
     if compare and not workload.is_offline:
         parser.error(f"argument --compare: needs an offline workload; {workload.name!r} has arrivals over time")
-    model, _ = load_model(args.model, device, getattr(torch, args.dtype), compile_matvec=args.compile_matvec)
+    model, _ = load_model(args.model, device, getattr(torch, args.dtype), **kernel_options(args))
     print(f"workload {workload.name}: {workload.description}; greedy, ignore_eos, seed {args.seed}")
     print(f"model {args.model} {args.dtype} on {device}" + (f" ({torch.get_num_threads()} CPU threads)"
                                                        if device.type == "cpu" else ""), flush=True)
@@ -272,12 +268,8 @@ def _bench(args, parser) -> int:
     if model.lm_head.packed is not None:  # chapter 12: the layout rule (PLAIN_MATMUL_MAX_ROWS), never a timing
         print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above",
               flush=True)
-    if model.matvec is not None:
-        rows, layers = model.matvec_max_rows, model.compiled_layers
-        how = ("each layer compiled whole, its attention too in decode-only steps" if layers and layers.step else
-               "each layer's halves compiled whole" if layers else "each matmul compiled")
-        print(f"matmuls of up to {rows} row{'s' * (rows != 1)}: the compiled matvec, {how}; "
-              f"compiled in {model.matvec_compile_seconds:.1f} s", flush=True)
+    print(f"kernels: {model.kernels}" + (f"; decode rows read the GGUF's blocks as stored (up to "
+                                         f"{QUANTIZED_MAX_ROWS} rows)" if model.quantization else ""), flush=True)
     opts = _engine_options(args, device)
     peers = [c for c in compare if c in COMPARE_PEERS]
     installed = any(peer_installed(COMPARE_PEERS[key][0]) for key in peers)
@@ -414,7 +406,7 @@ def main(argv=None) -> int:
                    help="a CPU tier of this many blocks for the prefix cache (chapter 14; needs --prefix-caching)")
     b.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="run minivllm over this many worker processes (chapter 15; default: 1)")
-    add_compile_flags(b)
+    add_kernel_flags(b)
     b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",
                    help="goodput: TTFT limit in ms")
     b.add_argument("--slo-tpot", type=positive_finite_float, default=None, metavar="MS",
@@ -453,14 +445,10 @@ def main(argv=None) -> int:
             b.error("argument --workload: memory-pressure squeezes the engine's own KV pool; a server has its own")
         if args.dtype != "float32":
             b.error("argument --dtype: not with --server (the server's own --dtype sets it)")
-        if args.compile_attention:
-            b.error("argument --compile-attention: not with --server (the server's engine is its own)")
-        if args.compile_matvec:
-            b.error("argument --compile-matvec: not with --server (the server's engine is its own)")
-    elif args.compile_attention and args.tensor_parallel_size > 1:
-        b.error("argument --compile-attention: not with --tensor-parallel-size > 1 (the workers keep the gather)")
-    elif args.compile_matvec and args.tensor_parallel_size > 1:
-        b.error("argument --compile-matvec: not with --tensor-parallel-size > 1 (the workers keep their matmuls)")
+        if kernel_options(args):
+            b.error("argument --kernels/--quantization: not with --server (the server's engine is its own)")
+    elif args.quantization and args.tensor_parallel_size > 1:
+        b.error("argument --quantization: not with --tensor-parallel-size > 1 (the workers read float32 shards)")
     elif args.max_num_seqs:
         check_token_budget(b, args.max_num_batched_tokens, args.max_num_seqs, "--max-num-seqs")
     return _bench(args, b)

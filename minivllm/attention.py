@@ -23,8 +23,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from minivllm import kernels
 from minivllm.block_manager import slots
-from minivllm.compiled_attention import COMPILED, CompiledDecodeAttention, pad_to_bucket
 from minivllm.copy_stream import BlockCopier
 
 __all__ = [
@@ -44,13 +44,14 @@ __all__ = [
     "MiniPagedKVCache",
     "GATHER",
     "VARLEN",
-    "COMPILED",
+    "PAGED_KERNEL",
     "choose_attention_kernel",
 ]
 
 MAX_GROUPS = 4  # padded attention calls a kind of row (decode, prefill) may be cut into, per step
 GATHER = "gather+sdpa"  # gather each sequence's blocks, then SDPA over padded groups (every device)
 VARLEN = "varlen+block_table"  # torch's varlen_attn reading the pool through the block table (FlashAttention, Ampere+)
+PAGED_KERNEL = "paged_attention kernel"  # the kernel table's paged_attention, every row to its own length (chapter 18)
 
 
 def causal_chunk_mask(a: int, b: int, device=None) -> torch.Tensor:
@@ -242,7 +243,7 @@ class AttentionGroup:
     out_index: torch.Tensor  # [valid rows] long
     all_valid: bool  # no padding rows (every decode group): the output needs no boolean gather
     every_token: bool = False  # row b is token b, one query each: q and the output need no indexing
-    context_lens: torch.Tensor | None = None  # [B] long: each row's context (what a compiled decode reads)
+    context_lens: torch.Tensor | None = None  # [B] long: each row's context
     fresh: bool = False  # prefill rows whose every query is its own whole context (no cached keys before them)
     spans: tuple[tuple[int, int], ...] = ()  # fresh rows' (first token in the step, tokens): attended one by one
     built: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # built once per step, then reused
@@ -258,12 +259,6 @@ class AttentionGroup:
             self.built[dtype] = mask.masked_fill_(~self.folded_mask, float("-inf"))
         return self.built[dtype]
 
-    def bucketed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``block_tables`` and ``context_lens`` padded for the compiled decode (:func:`pad_to_bucket`), once per step."""
-        if "bucketed" not in self.built:
-            self.built["bucketed"] = pad_to_bucket(self.block_tables, self.context_lens)
-        return self.built["bucketed"]
-
 
 class PagedBatch:
     """Where one engine step's tokens read and write KV in the paged pools (chapter 05).
@@ -271,40 +266,44 @@ class PagedBatch:
     Sequence ``b`` feeds ``query_lens[b]`` tokens that end at ``context_lens[b]``
     (so its queries sit at positions ``context_lens[b] - query_lens[b]`` onward),
     flattened one sequence after another, writing their KV to ``slot_mapping``
-    (the block manager's, or computed here by the same rule). All indices and
-    masks are built once per step, before the first layer, and shared by every
-    layer; give
-    ``num_queries_per_kv`` (query heads per KV head) so the masks are built
-    folded for grouped-query attention. Sequences are attended in padded
-    groups (:class:`AttentionGroup`), decodes (one query) apart from prefills,
-    so no layer loops over sequences. A kind is split further, by length, only
-    where the padding saved is worth one more attention call
-    (:func:`split_by_padding`; chapter 12 measures it), so a small batch has at
-    most two groups. With ``split_decodes=False`` the decode rows stay one
-    group, whatever their lengths: what the compiled in-place decode wants
-    (``PagedKVCache.splits_decode_rows``), as it copies no keys and a padding
-    row reads block 0 again, from cache.
+    (the block manager's, or computed here by the same rule). Built once per
+    step, before the first layer, and shared by every layer. A paged attention
+    kernel (chapter 18) reads the ragged form: ``block_table`` (each row's
+    table, padded), ``context_lens`` and ``cu_seq_q`` (where each sequence's
+    queries start), every row to its own length. The PyTorch path reads
+    ``groups``, built when first asked for: padded rectangles
+    (:class:`AttentionGroup`), decodes (one query) apart from prefills, so no
+    layer loops over sequences; a kind is split further, by length, only where
+    the padding saved is worth one more attention call
+    (:func:`split_by_padding`), so a small batch has at most two groups. Give
+    ``num_queries_per_kv`` (query heads per KV head) so their masks are built
+    folded for grouped-query attention.
     """
 
     def __init__(self, block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
-                 block_size: int, device, num_queries_per_kv: int = 1, slot_mapping: list[int] | None = None,
-                 split_decodes: bool = True):
+                 block_size: int, device, num_queries_per_kv: int = 1, slot_mapping: list[int] | None = None):
         self.block_size = block_size
         self.num_queries_per_kv = num_queries_per_kv
-        starts = [0, *itertools.accumulate(query_lens)][:-1]  # where each sequence's tokens begin
         self.num_tokens = sum(query_lens)
         if slot_mapping is None:  # the block manager's rule (chapter 04), for batches built by hand
             slot_mapping = [s for table, ctx, n in zip(block_tables, context_lens, query_lens)
                             for s in slots(table, ctx - n, ctx, block_size)]
         self.slot_mapping = torch.tensor(slot_mapping, dtype=torch.long, device=device)
         self._varlen_metadata(block_tables, context_lens, query_lens, device)
-        self.groups: list[AttentionGroup] = []
-        decode_groups = MAX_GROUPS if split_decodes else 1
-        for wanted, max_groups in ((lambda n: n == 1, decode_groups), (lambda n: n > 1, MAX_GROUPS)):
+        self._rows = (block_tables, context_lens, query_lens, device)
+
+    @functools.cached_property
+    def groups(self) -> list[AttentionGroup]:
+        """The padded groups the PyTorch path attends (chapter 05), built on first use, once per step."""
+        block_tables, context_lens, query_lens, device = self._rows
+        starts = [0, *itertools.accumulate(query_lens)][:-1]  # where each sequence's tokens begin
+        groups = []
+        for wanted in (lambda n: n == 1, lambda n: n > 1):
             rows = sorted((b for b, n in enumerate(query_lens) if wanted(n)), key=lambda b: len(block_tables[b]))
-            for part in split_by_padding(rows, [len(block_tables[b]) * block_size for b in rows],
-                                         [query_lens[b] for b in rows], max_groups):  # in step order (free in a group)
-                self.groups.append(self._group(sorted(part), block_tables, context_lens, query_lens, starts, device))
+            for part in split_by_padding(rows, [len(block_tables[b]) * self.block_size for b in rows],
+                                         [query_lens[b] for b in rows]):  # in step order (free in a group)
+                groups.append(self._group(sorted(part), block_tables, context_lens, query_lens, starts, device))
+        return groups
 
     def write_slots(self, scratch_slot: int) -> torch.Tensor:
         """``slot_mapping`` with every -1 (a padding row) sent to ``scratch_slot``; built once per step."""
@@ -313,14 +312,6 @@ class PagedBatch:
             mapped = torch.where(self.slot_mapping < 0, scratch_slot, self.slot_mapping)
             cached = self._write_slots = (scratch_slot, mapped)
         return cached[1]
-
-    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode-only step's block tables and context lengths, every row in token order, padded for the
-        compiled in-place decode (:func:`pad_to_bucket`); built once per step."""
-        cached = getattr(self, "_decode_tables", None)
-        if cached is None:
-            cached = self._decode_tables = pad_to_bucket(self.block_table.long(), self.context_lens.long())
-        return cached
 
     def _varlen_metadata(self, block_tables, context_lens, query_lens, device) -> None:
         """What :data:`VARLEN` reads: cumulative query starts, context lengths and the int32 block tables."""
@@ -425,19 +416,23 @@ class PagedKVCache:
     """Per-layer K/V pools ``[num_blocks, block_size, kv_heads, head_dim]`` (chapter 05).
 
     ``forward`` writes the step's keys and values through the slot mapping and
-    attends by gathering each sequence's keys through its block table (or,
-    where :func:`choose_attention_kernel` finds it, with ``varlen_attn`` over
-    the block table: ``attention_kernel`` says which). Whole blocks move
-    between pools with :meth:`copy_blocks` (a fork's copy on write) and
-    :meth:`swap` (to and from the CPU pool, chapter 10; pinned and on a side
-    stream on CUDA, see :class:`~minivllm.copy_stream.BlockCopier`).
+    attends: with a kernel table's ``paged_attention`` (``ops``: the C++
+    kernels on the CPU, Triton's on CUDA; chapter 18), every row of the step in
+    one call, each through its block table to its own length; else by
+    gathering each sequence's keys through its block table (or, where
+    :func:`choose_attention_kernel` finds it, with ``varlen_attn`` over the
+    block table). ``attention_kernel`` says which. Whole blocks move between
+    pools with :meth:`copy_blocks` (a fork's copy on write) and :meth:`swap`
+    (to and from the CPU pool, chapter 10; pinned and on a side stream on CUDA,
+    see :class:`~minivllm.copy_stream.BlockCopier`).
 
     Each layer's pool has one scratch slot after its last block: a slot
-    mapping of -1 (a CUDA graph's padding row, chapter 12) writes there, and
-    no block table reaches it, so padding rows write nowhere that is read.
-    ``k_slots`` and ``v_slots`` are the pools as flat slots with the scratch
-    slot last, so ``k_slots[layer][slot_mapping] = k`` sends -1 there too
-    (how exercise 05's backend writes).
+    mapping of -1 (a CUDA graph's padding row, chapter 12) writes there (or,
+    through a kernel's ``write_kv``, nowhere), and no block table reaches it,
+    so padding rows write nowhere that is read. ``k_slots`` and ``v_slots`` are
+    the pools as flat slots with the scratch slot last, so
+    ``k_slots[layer][slot_mapping] = k`` sends -1 there too (how exercise 05's
+    backend writes).
 
     This class is the interface and the pools (an extension point,
     ``attention_backend``): exercise 05 subclasses it and writes
@@ -446,7 +441,7 @@ class PagedKVCache:
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype=torch.float32, device="cpu", num_cpu_blocks: int = 0, num_queries_per_kv: int = 1,
-                 attention_kernel: str | None = None, num_offload_blocks: int = 0, compile_attention: bool = False):
+                 attention_kernel: str | None = None, num_offload_blocks: int = 0, ops=kernels.reference):
         self.scratch_slot = num_blocks * block_size
         store = (num_layers, self.scratch_slot + 1, num_kv_heads, head_dim)  # [layer, slot (+ scratch), head, dim]
         self.k_slots = torch.zeros(store, dtype=dtype, device=device)
@@ -464,32 +459,18 @@ class PagedKVCache:
         self.tier_v = torch.zeros(tier_shape, dtype=dtype, pin_memory=pin)
         self.block_size = block_size
         self.copier = BlockCopier(torch.device(device))
-        compiled = CompiledDecodeAttention() if compile_attention else None
-        self.attention_kernel = attention_kernel or choose_attention_kernel(device, dtype, num_queries_per_kv, compiled)
-        self.compiled = (compiled or CompiledDecodeAttention()) if self.attention_kernel == COMPILED else None
+        self.ops = ops if ops is not kernels.reference else None  # a kernel table with paged_attention, or None
+        self.attention_kernel = attention_kernel or (PAGED_KERNEL if self.ops is not None else
+                                                     choose_attention_kernel(device, dtype, num_queries_per_kv))
         self.num_queries_per_kv = num_queries_per_kv
 
     @classmethod
-    def for_model(cls, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0,
-                  compile_attention: bool = False):
+    def for_model(cls, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0):
+        """Pools for ``model``'s layers and KV heads, attended with the model's kernel table (chapter 18)."""
         c, p = model.config, next(model.parameters())
         return cls(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, model.head_dim,
                    p.dtype, p.device, num_cpu_blocks, c.num_attention_heads // c.num_key_value_heads,
-                   num_offload_blocks=num_offload_blocks, compile_attention=compile_attention)
-
-    @property
-    def splits_decode_rows(self) -> bool:
-        """Whether a step's decode rows should be cut into groups by length (:class:`PagedBatch`'s
-        ``split_decodes``): yes for the gather, which copies every padded key, no for the compiled in-place decode,
-        where one call over all the rows beats one per group (chapter 12 measures it)."""
-        return self.compiled is None
-
-    def warm_up(self, max_rows: int) -> float:
-        """Compile the in-place decode's batch buckets up to ``max_rows`` now, if it runs; the seconds it took."""
-        if self.compiled is None:
-            return 0.0
-        heads = self.k.shape[-2] * self.num_queries_per_kv
-        return self.compiled.warm_up(self.k[0], self.v[0], heads, max_rows)
+                   num_offload_blocks=num_offload_blocks, ops=getattr(model, "ops", kernels.reference))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole device blocks, every layer: (source, destination) pairs."""
@@ -542,9 +523,15 @@ class PagedKVCache:
 
 class MiniPagedKVCache(PagedKVCache):
     """minivllm's own paged KV cache (the engine's default ``attention_backend``): exercise 05's ``forward``, by the
-    kernel :func:`choose_attention_kernel` chose (``attention_kernel``)."""
+    kernel table's ``paged_attention`` where the model has one (chapter 18), else by the PyTorch attention
+    :func:`choose_attention_kernel` chose (``attention_kernel`` says which)."""
 
     def forward(self, layer: int, q, k, v, positions, batch: PagedBatch):
+        if self.attention_kernel == PAGED_KERNEL:  # every row in one call, to its own length (chapter 18)
+            k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
+            self.ops.write_kv(k, v, k_slots, v_slots, batch.slot_mapping)
+            return self.ops.paged_attention(q, k_slots, v_slots, batch.block_table, batch.context_lens,
+                                            batch.cu_seq_q, self.block_size)
         k_pool, v_pool = self.k[layer], self.v[layer]
         write = batch.write_slots(self.scratch_slot)  # -1: the scratch slot
         self.k_slots[layer].index_copy_(0, write, k)
@@ -574,29 +561,9 @@ class MiniPagedKVCache(PagedKVCache):
         return (device.type == "cpu" and type(self)._attend_group is MiniPagedKVCache._attend_group
                 and causal_gqa_supported())
 
-    def decode_in_place(self, layer: int, batch: PagedBatch | None) -> tuple | None:
-        """What a decoder layer compiled whole with its attention reads in a decode-only step (``compile_matvec``,
-        chapter 12): the layer's flat pools, the write slots, the block tables and context lengths, the block size
-        (:func:`~minivllm.compiled_attention.write_and_attend`'s arguments after q, k and v). None for any other
-        step, and where a subclass attends its own way: its ``forward`` runs instead."""
-        if (batch is None or batch.max_q != 1 or self.attention_kernel == VARLEN
-                or type(self).forward is not MiniPagedKVCache.forward
-                or type(self)._attend_group is not MiniPagedKVCache._attend_group):
-            return None
-        tables, context_lens = batch.decode_tables()
-        k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
-        for pool in (k_slots, v_slots):  # one compile serves every pool size
-            torch._dynamo.mark_dynamic(pool, 0)
-        return k_slots, v_slots, batch.write_slots(self.scratch_slot), tables, context_lens, self.block_size
-
     def _attend_group(self, g: AttentionGroup, queries, k_pool, v_pool) -> torch.Tensor:
-        """One group's output ``[B, Lq, heads, D]``: decode rows compiled in place where chosen, else gathered;
-        a group of fresh prompts by SDPA's causal rule, any other by the group's mask."""
-        if self.compiled is not None and queries.shape[2] == 1:
-            try:
-                return self.compiled(queries[:, :, 0], k_pool, v_pool, *g.bucketed()).unsqueeze(1)
-            except Exception:  # a bucket that fails to compile: the gather path from now on, reported in stats
-                self.compiled, self.attention_kernel = None, GATHER
+        """One group's output ``[B, Lq, heads, D]``: the group's blocks gathered, then a group of fresh prompts by
+        SDPA's causal rule, any other by the group's mask."""
         B, W = g.block_tables.shape  # gather whole blocks, then see them as one run of keys
         _, block_size, kv_heads, d = k_pool.shape
         flat = g.block_tables.flatten()
@@ -629,20 +596,16 @@ def varlen_paged(q, k_pool, v_pool, batch: PagedBatch) -> torch.Tensor:
                             block_table=batch.block_table)
 
 
-def choose_attention_kernel(device, dtype, num_queries_per_kv: int = 1,
-                            compiled: CompiledDecodeAttention | None = None) -> str:
-    """The best attention this device runs correctly, chosen once when the pool is built (chapter 12).
+def choose_attention_kernel(device, dtype, num_queries_per_kv: int = 1) -> str:
+    """The best PyTorch attention this device runs correctly, chosen once when the pool is built (chapter 12).
 
     :data:`VARLEN` needs CUDA, Ampere or newer (FlashAttention), fp16/bf16 and
-    a torch with ``varlen_attn(block_table=...)``. :data:`COMPILED` is tried
-    on the CPU when asked for (``compiled``, from ``compile_attention``): it
-    needs ``torch.compile`` to work here (a C++ compiler). Either must agree
-    with :data:`GATHER` on a probe batch (a chunk after cached keys and
-    decodes, grouped-query heads); anything else gets :data:`GATHER`.
+    a torch with ``varlen_attn(block_table=...)``, and must agree with
+    :data:`GATHER` on a probe batch (a chunk after cached keys and decodes,
+    grouped-query heads); anything else gets :data:`GATHER`. (A model with a
+    kernel table attends with its ``paged_attention`` instead, chapter 18.)
     """
     device = torch.device(device)
-    if compiled is not None and device.type == "cpu":
-        return COMPILED if _agrees_safely(COMPILED, device, dtype, num_queries_per_kv, compiled) else GATHER
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or varlen_attn_fn() is None:
         return GATHER
     if torch.cuda.get_device_capability(device)[0] < 8:
@@ -650,23 +613,20 @@ def choose_attention_kernel(device, dtype, num_queries_per_kv: int = 1,
     return VARLEN if _agrees_safely(VARLEN, device, dtype, num_queries_per_kv) else GATHER
 
 
-def _agrees_safely(kernel: str, device, dtype, group: int, compiled=None) -> bool:
-    """:func:`_agrees`, where a kernel that raises (no compiler, a refused block size) does not agree."""
+def _agrees_safely(kernel: str, device, dtype, group: int) -> bool:
+    """:func:`_agrees`, where a kernel that raises (a refused block size) does not agree."""
     try:
-        return _agrees(kernel, device, dtype, group, compiled)
+        return _agrees(kernel, device, dtype, group)
     except Exception:  # the gather path is always right
         return False
 
 
-@torch.inference_mode()  # as the engine runs: the compiled probe's bucket is then reused
-def _agrees(kernel: str, device, dtype, group: int, compiled=None, block_size: int = 16, kv_heads: int = 2,
-            d: int = 64) -> bool:
+@torch.inference_mode()
+def _agrees(kernel: str, device, dtype, group: int, block_size: int = 16, kv_heads: int = 2, d: int = 64) -> bool:
     """Run one probe batch through ``kernel`` and :data:`GATHER` and compare (fp32 1e-4, else bf16 tolerance)."""
     g = torch.Generator(device="cpu").manual_seed(0)
     reference = MiniPagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=GATHER)
     fast = MiniPagedKVCache(1, 12, block_size, kv_heads, d, dtype, device, attention_kernel=kernel)
-    if compiled is not None:
-        fast.compiled = compiled  # the engine's own: its compile time counts
     batch = PagedBatch([[3, 1, 4], [5], [7, 9]], [40, 9, 20], [8, 1, 1], block_size, device, group)
     shapes = ((batch.num_tokens, kv_heads * group, d), (batch.num_tokens, kv_heads, d))
     pools = torch.randn((2, *reference.k.shape), generator=g)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import os
 import reprlib
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import torch
 
@@ -15,6 +17,16 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": float32 on the CPU, bfloat16 on CUDA (float16 where bf16 is missing)
 CPU_KV_BUDGET_BYTES = 4 << 30  # on the CPU the memory fraction applies to at most 4 GiB
+KERNEL_TABLES = ("auto", "reference", "cpu", "triton")  # minivllm.kernels.choose (chapter 18)
+KERNEL_OPS = ("write_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "linear",
+              "q4_1_linear", "q8_0_linear", "q8_0_embedding")  # what a kernel table holds (minivllm.kernels)
+QUANTIZATIONS = (None, "gguf")  # "gguf": the embedded model's blocks as stored (chapter 18)
+
+
+def cache_dir() -> Path:
+    """Where minivllm keeps what it makes once per machine (the converted model, the kernels' build):
+    ``$MINIVLLM_CACHE``, or ``~/.cache/minivllm``."""
+    return Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm"))
 
 
 def default_device() -> torch.device:
@@ -48,6 +60,12 @@ def is_text(value) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def is_kernel_table(obj) -> bool:
+    """Whether ``obj`` is a kernel table itself rather than its name: every op of :data:`KERNEL_OPS` a callable
+    (a :class:`~minivllm.kernels.cpu.CpuKernels`, such as exercise 18's build of the reader's inner loops)."""
+    return not isinstance(obj, str) and all(callable(getattr(obj, op, None)) for op in KERNEL_OPS)
 
 
 NOT_WRITTEN = "not written yet"  # what a method an exercise has the reader write raises until it is written
@@ -153,22 +171,17 @@ class EngineConfig:
     bfloat16), fusing the q/k/v and the gate/up projections (chapter 12); it
     never changes the tokens.
 
-    ``compile_attention`` (the CPU) has decode rows read the KV pool in place
-    through their block tables, with attention compiled by ``torch.compile``
-    instead of gathered into a copy (chapter 12). Each batch bucket compiles
-    once (seconds; ``stats()`` counts them), when first used, or all at once
-    by ``compile_decode_buckets()``, as a server does before its port opens
-    and a disaggregated decode worker before it reports ready. Where
-    compiling fails, or its probe disagrees, the gather path stays, and
-    ``stats().attention_kernel`` says which runs. The tokens are the same
-    either way.
-
-    ``compile_matvec`` (the CPU, float32) runs decode batches of one or two
-    rows through matrix-vector kernels and whole decoder layers (their paged
-    attention too, in a decode-only step) compiled by ``torch.compile``
-    (chapter 12; seconds to compile at startup, ``stats().matvec_rows`` says
-    how many rows it takes: two, or 0 where compiling failed). It computes the
-    same products to float32 rounding.
+    ``kernels`` picks the kernel table under the model (chapter 18): "auto"
+    runs the C++ kernels on the CPU in float32 (built once per machine at
+    first use) and the Triton ones on CUDA where Triton is installed, else
+    PyTorch's reference ops; "reference" pins those; "cpu" and "triton" insist.
+    A kernel table itself runs as given (exercise 18: a ``CpuKernels`` built
+    from the reader's inner loops, float32 on the CPU, one process).
+    ``stats().kernels`` says which runs. ``quantization="gguf"`` (vLLM's name;
+    the embedded SmolLM2, float32 on the CPU, one process) keeps the GGUF
+    file's blocks too, Q4_1 for the layers and Q8_0 for the tied embedding,
+    and multiplies decode batches of up to eight rows through them as stored;
+    prefill keeps the float32 copy they dequantise to.
 
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,
@@ -222,8 +235,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     collective_timeout: float = 60.0
     enforce_eager: bool = False
-    compile_attention: bool = False
-    compile_matvec: bool = False
+    kernels: object = "auto"  # a table's name (KERNEL_TABLES), or a kernel table (is_kernel_table; chapter 18)
+    quantization: str | None = None
     disaggregated: bool = False
     kv_transfer_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | None = None
@@ -267,7 +280,7 @@ class EngineConfig:
         check(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63 - 1]", self.seed)
         check(isinstance(self.pack_weights, bool), "pack_weights", "True or False", self.pack_weights)
         check(isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager)
-        self._check_compile()
+        self._check_kernels()
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
               "an integer >= 1", self.tensor_parallel_size)
         self._check_tensor_parallel_devices()
@@ -307,14 +320,22 @@ class EngineConfig:
             check(not self.disaggregated, "speculative_config",
                   "None with disaggregated=True (the decode worker verifies no drafts)", self.speculative_config)
 
-    def _check_compile(self) -> None:
-        """``compile_attention`` and ``compile_matvec``: True or False, and False over tensor-parallel workers."""
-        check(isinstance(self.compile_attention, bool), "compile_attention", "True or False", self.compile_attention)
-        check(not self.compile_attention or self.tensor_parallel_size == 1, "compile_attention",
-              "False with tensor_parallel_size > 1 (the workers keep the gather path)", self.compile_attention)
-        check(isinstance(self.compile_matvec, bool), "compile_matvec", "True or False", self.compile_matvec)
-        check(not self.compile_matvec or self.tensor_parallel_size == 1, "compile_matvec",
-              "False with tensor_parallel_size > 1 (the workers keep their matmuls)", self.compile_matvec)
+    def _check_kernels(self) -> None:
+        """``kernels``: a kernel table's name, or a table (one process); ``quantization``: None or "gguf", in one
+        process."""
+        named = isinstance(self.kernels, str)
+        check(self.kernels in KERNEL_TABLES if named else is_kernel_table(self.kernels), "kernels",
+              f"one of {KERNEL_TABLES}, or a kernel table (an object with the ops {', '.join(KERNEL_OPS)}, such as "
+              f"exercise 18's CpuKernels)", self.kernels)
+        left = [] if named else getattr(self.kernels, "not_written", list)()  # exercise 18's stubs
+        check(not left, "kernels", "a kernel table whose inner loops are written",
+              f"{self.kernels!r} ({NOT_WRITTEN}: {', '.join(left)})")
+        check(named or (self.tensor_parallel_size == 1 and not self.disaggregated), "kernels",
+              "a table's name with tensor_parallel_size > 1 or disaggregated=True (each worker builds its own)",
+              self.kernels)
+        check(self.quantization in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}", self.quantization)
+        check(self.quantization is None or (self.tensor_parallel_size == 1 and not self.disaggregated),
+              "quantization", "None with tensor_parallel_size > 1 or disaggregated=True", self.quantization)
 
     def _check_tensor_parallel_devices(self) -> None:
         """Ranks need a device each on CUDA (NCCL), and the CPU (gloo) elsewhere (chapter 15)."""

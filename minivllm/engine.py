@@ -99,10 +99,10 @@ class LLMEngine:
         device = config.torch_device if self.workers is None else self.workers.device
         if self.workers is None:
             self.model, self.tokenizer = load_model(config.model, device, config.torch_dtype, config.pack_weights,
-                                                    config.compile_matvec)
+                                                    config.kernels, config.quantization)
         else:
             self.model = load_model_shard(config.model, self.workers.tp, device, config.torch_dtype, config.pack_weights,
-                                          resolve_function(config.shard_weight, "shard_weight"))
+                                          resolve_function(config.shard_weight, "shard_weight"), config.kernels)
             self.tokenizer = load_tokenizer(config.model)
         self.vocab_size = self.model.config.vocab_size
         self.max_model_len = self._max_model_len()
@@ -117,9 +117,9 @@ class LLMEngine:
                                                        self._eos_token_ids(), self.kv_bytes_per_block)
         args = (self.model, self.num_blocks, config.block_size, self.num_cpu_blocks,
                 resolve(config.attention_backend), resolve(config.sampler)(device, config.seed))
-        if self.workers is None:  # compile_attention: decode attention read in place, compiled (chapter 12)
+        if self.workers is None:
             acceptor = getattr(self.scheduler, "acceptor", None)  # chapter 17: the greedy acceptance rule
-            self.runner = ModelRunner(*args, compile_attention=config.compile_attention, **tier,
+            self.runner = ModelRunner(*args, **tier,
                                       graph_runner_cls=resolve(config.graph_runner_cls),
                                       accept=acceptor.accept if acceptor is not None else None)
         else:
@@ -133,13 +133,6 @@ class LLMEngine:
         if not config.kv_offload_blocks:
             return {}
         return {"num_offload_blocks": config.kv_offload_blocks, "tier_cls": resolve(config.offload_tier_cls)}
-
-    def compile_decode_buckets(self) -> float:
-        """With ``compile_attention`` (chapter 12): compile the in-place decode for every batch bucket up to
-        ``max_num_seqs`` now, so that no request waits later while a bucket compiles; the seconds it took (0.0
-        without it). Servers and benchmarks call it before they take work."""
-        compile_buckets = getattr(self.runner.kv_cache, "warm_up", None)
-        return compile_buckets(self.config.max_num_seqs) if compile_buckets is not None else 0.0
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel worker processes (chapter 15); idempotent, a no-op with one process.
@@ -464,7 +457,8 @@ class LLMEngine:
                 **self._spec_stats(),
                 attention_kernel=getattr(self.runner.kv_cache, "attention_kernel", GATHER),
                 cuda_graph_sizes=tuple(sorted(graphs.graphs)) if graphs is not None else (),
-                **self._compile_stats(),
+                kernels=getattr(self.model, "kernels", "reference"),
+                quantization=getattr(self.model, "quantization", None),
             )
 
     def _spec_stats(self) -> dict:
@@ -477,19 +471,6 @@ class LLMEngine:
                 "spec_decode_num_accepted_tokens_per_pos": tuple(s.num_accepted_tokens_per_pos),
                 "spec_decode_num_decode_steps": s.num_decode_steps,
                 "spec_decode_num_emitted_tokens": s.num_emitted_tokens}
-
-    def _compile_stats(self) -> dict:
-        """Seconds spent compiling the in-place decode attention and the batch buckets compiled; the rows the
-        compiled matrix-vector kernel takes and its compile seconds (chapter 12)."""
-        out = {}
-        matvec = getattr(self.model, "matvec", None)
-        if matvec is not None:
-            out.update(matvec_rows=self.model.matvec_max_rows, matvec_compile_seconds=self.model.matvec_compile_seconds)
-        compiled = getattr(self.runner.kv_cache, "compiled", None)
-        if compiled is not None:
-            out.update(attention_compile_seconds=compiled.compile_seconds,
-                       attention_compiled_buckets=compiled.bucket_sizes)
-        return out
 
     def _tier_stats(self, bm) -> dict:
         """The CPU offload tier's counters, in blocks and bytes, and its share of the prefix hits (chapter 14)."""

@@ -57,7 +57,6 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  kv_cache_cls=MiniPagedKVCache, sampler=None, num_offload_blocks: int = 0,
-                 compile_attention: bool = False,
                  graph_runner_cls=MiniDecodeGraphRunner, accept=None):
         self.model = model
         self.accept = accept or accept_greedy  # a greedy row's acceptance rule (chapter 17's SpecAcceptor.accept)
@@ -67,8 +66,6 @@ class ModelRunner:
             keep_freed_memory()
         self.block_size = block_size
         extra = {"num_offload_blocks": num_offload_blocks} if num_offload_blocks else {}  # chapter 14's CPU tier
-        if compile_attention:  # asked for only when wanted, so a backend without the option still plugs in
-            extra["compile_attention"] = True
         self.kv_cache = kv_cache_cls.for_model(model, num_blocks, block_size, num_cpu_blocks, **extra)
         self.sampler = sampler if sampler is not None else MiniSampler(self.device)
         self.num_queries_per_kv = model.config.num_attention_heads // model.config.num_key_value_heads
@@ -115,8 +112,7 @@ class ModelRunner:
     def tensors(self, inputs: StepInputs):
         """Input ids, positions, the attention metadata and the rows to sample, on the device."""
         batch = PagedBatch(inputs.block_tables, inputs.context_lens, inputs.query_lens, self.block_size, self.device,
-                           self.num_queries_per_kv, inputs.slot_mapping,
-                           split_decodes=getattr(self.kv_cache, "splits_decode_rows", True))
+                           self.num_queries_per_kv, inputs.slot_mapping)
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(inputs.token_ids), as_tensor(inputs.positions), batch, as_tensor(inputs.logits_rows)
 

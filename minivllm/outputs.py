@@ -68,12 +68,10 @@ class EngineStats:
     num_tier_blocks: int = 0
     num_total_tier_blocks: int = 0
     prefix_cache_tier_hits: int = 0  # of prefix_cache_hits, tokens restored from the tier (the rest: on the device)
-    attention_kernel: str = "gather+sdpa"  # the KV pool's attention kernel (chapter 12): "gather+sdpa", "varlen+block_table"
-    # or "compiled in-place decode" (compile_attention=True); with the last, seconds spent compiling and the buckets
-    attention_compile_seconds: float = 0.0
-    attention_compiled_buckets: tuple = ()
-    matvec_rows: int = 0  # compile_matvec=True: decode batches of up to this many rows run the compiled matvec
-    matvec_compile_seconds: float = 0.0
+    attention_kernel: str = "gather+sdpa"  # the KV pool's attention (chapters 12, 18): "paged_attention kernel" (the
+    # kernel table's), or PyTorch's "gather+sdpa" or "varlen+block_table"
+    kernels: str = "reference"  # the kernel table under the model (chapter 18): "cpu", "triton" or "reference"
+    quantization: str | None = None  # "gguf": decode rows read the GGUF's blocks as stored (chapter 18)
     cuda_graph_sizes: tuple = ()  # decode batch sizes captured as CUDA graphs (empty: eager, always on the CPU)
     # Speculative decoding (chapter 17), vLLM's counters: decode rows verified with drafts, draft tokens, accepted
     # ones (in all and per draft position); every decode row, and the tokens those rows emitted (accepted + bonus)

@@ -628,6 +628,100 @@ def plot_serving_paths(ax=None):
     return ax
 
 
+__all__ += ["step_overlap", "plot_engine_processes"]
+
+
+def step_overlap(before: float, device: float, after: float, steps: int = 3, overlap: bool = False):
+    """When each phase of ``steps`` engine steps runs, on one host thread and one device: ``before`` (schedule,
+    prepare), ``device`` (the forward), ``after`` (update, detokenize). Synchronous, step k+1 starts after
+    step k's ``after``; with ``overlap`` (asynchronous scheduling) the host prepares step k+1 as soon as it has
+    launched step k, and finishes step k once its forward is done. Returns ``{"host": [(start, length, label)],
+    "device": [...], "period": seconds between two steps once running}`` (chapter 13)."""
+    host, dev = _overlap_run(before, device, after, steps, overlap)
+    ends = [s + n for s, n, _ in _overlap_run(before, device, after, 40, overlap)[1]]
+    return {"host": host, "device": dev, "period": ends[-1] - ends[-2]}
+
+
+def _overlap_run(before, device, after, steps, overlap):
+    host, dev, done = [], [], []
+    host_free = dev_free = 0.0
+    order = [("b", 0)] + [x for k in range(steps)
+                          for x in ((("b", k + 1), ("a", k)) if overlap else (("a", k), ("b", k + 1)))]
+    for kind, k in order:
+        if kind == "a":
+            start = max(host_free, done[k])
+            host.append((start, after, f"update {k}"))
+            host_free = start + after
+        elif k < steps:
+            host.append((host_free, before, f"schedule {k}"))
+            host_free += before
+            start = max(dev_free, host_free)
+            dev.append((start, device, f"forward {k}"))
+            dev_free = start + device
+            done.append(dev_free)
+    return host, dev
+
+
+def plot_engine_processes(before: float, device: float, after: float, axes=None):
+    """vLLM V1's two processes against minivllm's one (left), and a step's phases, measured, run synchronously
+    and with asynchronous scheduling (right): ``before`` schedule and prepare, ``device`` the forward and the
+    logits, ``after`` update and detokenize, in seconds (chapter 13)."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [1.15, 1]})
+    ax = axes[0]
+    for x, w, y, h, label in ((0.1, 4.5, 3.0, 3.0, "vLLM V1: API server process"),
+                              (5.5, 4.6, 3.0, 3.0, "vLLM V1: EngineCore process"),
+                              (0.1, 10.0, 0.05, 2.65, "minivllm: one process (AsyncLLM), one GIL")):
+        ax.add_patch(plt.Rectangle((x, y), w, h, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
+        ax.text(x + w / 2, y + h - 0.3, label, ha="center", fontsize=8, color="#555555")
+    _box(ax, (2.35, 4.85), "uvicorn event loop: HTTP, JSON,\ntokenize (input processor)", "#f5e6d3",
+         width=3.9, height=0.75, fontsize=7)
+    _box(ax, (2.35, 3.8), "AsyncLLM: OutputProcessor\ndetokenize, a queue per request", "#f5e6d3", width=3.9,
+         height=0.75, fontsize=7)
+    _box(ax, (7.8, 4.95), "input thread: ZMQ -> input_queue", "#dce9f5", width=4.0, height=0.5, fontsize=7)
+    _box(ax, (7.8, 4.25), "run_busy_loop: schedule, execute,\nupdate (a GIL of its own)", "#dce9f5", width=4.0,
+         height=0.7, fontsize=7)
+    _box(ax, (7.8, 3.45), "output thread: output_queue -> ZMQ", "#dce9f5", width=4.0, height=0.5, fontsize=7)
+    _arrow(ax, (4.3, 4.75), (5.8, 4.9), "ZMQ,", text_dy=-0.32)
+    _arrow(ax, (5.8, 3.45), (4.3, 3.7), "msgpack", text_dy=0.22)
+    _box(ax, (2.6, 1.25), "event loop thread: HTTP, JSON,\ntokenize, each request's handler", "#f5e6d3",
+         width=4.2, height=0.9, fontsize=7)
+    _box(ax, (7.6, 1.25), "engine loop thread: inbox, LLMEngine.step\n(schedule, forward, sample, update,\n"
+         "detokenize), route to the queues", "#dce9f5", width=4.4, height=1.1, fontsize=7)
+    _arrow(ax, (4.7, 1.45), (5.4, 1.45))
+    _arrow(ax, (5.4, 1.0), (4.7, 1.0))
+    ax.text(5.05, 0.3, "Python runs on one of the two threads at a time", ha="center", fontsize=7,
+            color="#c0392b")
+    ax.set_xlim(0, 10.2)
+    ax.set_ylim(0, 6.0)
+    ax.axis("off")
+    ax.set_title("where the engine loop runs", fontsize=9)
+
+    ax = axes[1]
+    colours = {"schedule": "#9ecae1", "update": "#fdae6b", "forward": "#74c476"}
+    span = 3 * (before + device + after)
+    for row, overlap in ((1.5, False), (0.0, True)):
+        lanes = step_overlap(before, device, after, overlap=overlap)
+        for lane, dy in (("host", 0.2), ("device", -0.2)):
+            for start, length, label in lanes[lane]:
+                kind = label.split()[0]
+                ax.barh(row + dy, 1e3 * length, left=1e3 * start, height=0.3, color=colours[kind],
+                        edgecolor="#333333", linewidth=0.5)
+                if length > 0.03 * span:  # the step's number, where it fits
+                    ax.text(1e3 * (start + length / 2), row + dy, label.split()[1], ha="center",
+                            va="center", fontsize=7)
+        ax.text(0, row + 0.48, ("asynchronous scheduling" if overlap else "synchronous") +
+                f": a step every {1e3 * lanes['period']:.1f} ms once running", fontsize=8)
+    ax.set_yticks([0.2, -0.2, 1.7, 1.3], ["host", "device", "host", "device"], fontsize=8)
+    ax.set_ylim(-0.9, 2.2)
+    ax.set_xlabel("ms (measured phases, three steps)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, ["schedule, prepare", "update, detokenize", "forward, logits"], fontsize=7,
+              loc="lower right")
+    ax.set_title("what asynchronous scheduling overlaps (on a GPU)", fontsize=9)
+    return axes
+
+
 # Chapter 14: the device pool, the tier and one step's copies ---------------------------------------
 
 __all__ += ["plot_offload_step"]
@@ -785,4 +879,132 @@ def plot_spec_rollback(frames, block_size: int, ax=None, title=None):
     ax.set_ylim(-0.2, 1.25 * len(frames))
     ax.axis("off")
     ax.set_title(title or "one verified decode row on the block table", fontsize=9)
+    return ax
+
+
+# Chapter 18: one row of paged attention, and a Q4_1 block ---------------------------------------------------------
+
+__all__ += ["plot_paged_row", "plot_q4_1_block"]
+
+
+def plot_paged_row(block_table, length: int, block_size: int, num_blocks: int, positions, heads=(9, 3), ax=None,
+                   title=None, labels=None):
+    """What a paged-attention kernel reads for one sequence (chapter 18).
+
+    Bottom: the pool, ``num_blocks`` blocks of ``block_size`` slots; the
+    sequence's blocks are numbered by their place in its ``block_table``. Above
+    it, one line per query row at ``positions`` (a decode row sits at
+    ``length - 1``; a prefill chunk's rows at their own positions): its keys
+    in logical order, block by block, coloured where the row reads them
+    (keys ``0 .. position``), hatched where it must not (after its position,
+    and the slots past ``length``), with an arrow from each logical block to
+    the pool's block that holds it (``labels`` name the rows). Right: the
+    grouped-query heads, ``heads = (query heads, KV heads)``, query head ``h``
+    reading KV head ``h // group``.
+    """
+    colours = plt.get_cmap("tab10").colors
+    if ax is None:
+        _, ax = plt.subplots(figsize=(12, 1.8 + 0.55 * len(positions)))
+    slot_w = 1.0
+    gap = 0.6
+    pool_y = 0.0
+    owner = {b: i for i, b in enumerate(block_table)}
+    for b in range(num_blocks):  # the pool
+        x0 = b * (block_size * slot_w + gap)
+        for s in range(block_size):
+            mine = b in owner and owner[b] * block_size + s < length
+            face = colours[0] if mine else ("#d0d0d0" if b not in owner else "white")
+            ax.add_patch(plt.Rectangle((x0 + s * slot_w, pool_y), slot_w * 0.95, 0.8, facecolor=face,
+                                       edgecolor="grey", linewidth=0.5, alpha=0.85 if mine else 1.0))
+        ax.text(x0 + block_size * slot_w / 2, pool_y - 0.35, f"block {b}" + (f"\n(table[{owner[b]}])"
+                if b in owner else ""), ha="center", va="top", fontsize=6)
+    ax.text(-0.5, pool_y + 0.4, "the pool", ha="right", va="center", fontsize=8)
+    row_w = len(block_table) * (block_size * slot_w + gap)
+    x_rows = max(0.0, (num_blocks * (block_size * slot_w + gap) - row_w) / 2)
+    for r, pos in enumerate(positions):  # the rows, logical keys
+        y = 2.2 + 1.0 * (len(positions) - 1 - r)
+        for i in range(len(block_table)):
+            x0 = x_rows + i * (block_size * slot_w + gap)
+            for s in range(block_size):
+                key = i * block_size + s
+                seen = key <= pos
+                ax.add_patch(plt.Rectangle((x0 + s * slot_w, y), slot_w * 0.95, 0.7,
+                                           facecolor=colours[1] if seen else "white", edgecolor="grey",
+                                           linewidth=0.5, hatch=None if seen else "///"))
+        label = labels[r] if labels else f"row at position {pos}"
+        ax.text(x_rows - 0.5, y + 0.35, label, ha="right", va="center", fontsize=8)
+    top = 2.2 + 1.0 * (len(positions) - 1) + 0.85
+    for i, b in enumerate(block_table):  # logical block i -> the pool's block table[i]
+        start = (x_rows + i * (block_size * slot_w + gap) + block_size * slot_w / 2, 2.15)
+        end = (b * (block_size * slot_w + gap) + block_size * slot_w / 2, pool_y + 0.85)
+        ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="->", color=colours[0], lw=1.0))
+        ax.text(start[0], top, f"keys {i * block_size}..{i * block_size + block_size - 1}", ha="center",
+                fontsize=6)
+    width = max(num_blocks * (block_size * slot_w + gap), x_rows + row_w)
+    h, kvh = heads
+    group = h // kvh
+    hx = width + 2.0
+    for q in range(h):  # grouped-query heads
+        ax.add_patch(plt.Rectangle((hx, top - 0.5 - q * 0.42), 1.4, 0.34, facecolor=colours[2 + q // group],
+                                   edgecolor="grey", linewidth=0.5))
+        ax.text(hx + 0.7, top - 0.33 - q * 0.42, f"q{q}", ha="center", va="center", fontsize=6)
+    for g in range(kvh):
+        yk = top - 0.5 - (g * group + (group - 1) / 2) * 0.42
+        ax.add_patch(plt.Rectangle((hx + 3.0, yk), 1.6, 0.34, facecolor=colours[2 + g], edgecolor="black",
+                                   linewidth=0.8))
+        ax.text(hx + 3.8, yk + 0.17, f"kv{g}", ha="center", va="center", fontsize=6)
+        for q in range(g * group, (g + 1) * group):
+            ax.annotate("", xy=(hx + 3.0, yk + 0.17), xytext=(hx + 1.4, top - 0.33 - q * 0.42),
+                        arrowprops=dict(arrowstyle="-", color="grey", lw=0.6))
+    ax.text(hx + 2.2, top + 0.1, f"{h} query heads, {kvh} KV heads", ha="center", fontsize=7)
+    ax.set_xlim(-7, hx + 5.2)
+    ax.set_ylim(-1.3, top + 0.5)
+    ax.axis("off")
+    ax.set_title(title or f"one sequence of {length} tokens in blocks of {block_size}: what each row reads",
+                 fontsize=9)
+    return ax
+
+
+def plot_q4_1_block(block: bytes, ax=None, title=None):
+    """One GGUF Q4_1 block, byte by byte, and the 32 weights it holds (chapter 18).
+
+    Top: its 20 bytes, the fp16 scale ``d`` (bytes 0-1), the fp16 minimum
+    ``m`` (2-3) and 16 bytes of quants, each in hex. Below: weights 0 to 15
+    (the low nibbles) and 16 to 31 (the high nibbles), each with its quant and
+    its value ``d * q + m``; a line joins byte ``j`` to weights ``j`` and
+    ``j + 16``.
+    """
+    import struct
+
+    block = bytes(block)
+    if len(block) != 20:
+        raise ValueError(f"a Q4_1 block is 20 bytes, got {len(block)}")
+    d, m = struct.unpack("<ee", block[:4])
+    if ax is None:
+        _, ax = plt.subplots(figsize=(13, 3.4))
+    header = ["#fdb863"] * 2 + ["#b2abd2"] * 2 + ["#92c5de"] * 16
+    for i, byte in enumerate(block):
+        ax.add_patch(plt.Rectangle((i * 1.6, 3.0), 1.5, 0.8, facecolor=header[i], edgecolor="grey"))
+        ax.text(i * 1.6 + 0.75, 3.4, f"{byte:02x}", ha="center", va="center", fontsize=7, family="monospace")
+    ax.text(1.55, 4.0, f"d (fp16)\n{d:.6g}", ha="center", fontsize=7)
+    ax.text(4.75, 4.0, f"m (fp16)\n{m:.6g}", ha="center", fontsize=7)
+    ax.text(6.4 + 12.75, 4.05, "16 bytes: weight j in the low nibble, j + 16 in the high one", ha="center",
+            fontsize=8)
+    for half, y in ((0, 1.4), (1, 0.0)):
+        for j in range(16):
+            byte = block[4 + j]
+            q = byte & 0x0F if half == 0 else byte >> 4
+            x = 6.4 + j * 1.6
+            ax.add_patch(plt.Rectangle((x, y), 1.5, 1.0, facecolor="#e7f0e7" if half == 0 else "#f4e3e3",
+                                       edgecolor="grey"))
+            ax.text(x + 0.75, y + 0.68, f"w{j + 16 * half}: q={q}", ha="center", va="center", fontsize=5.5)
+            ax.text(x + 0.75, y + 0.3, f"{d * q + m:.4g}", ha="center", va="center", fontsize=5.5)
+            if half == 0:
+                ax.plot([x + 0.75, x + 0.75], [3.0, y + 1.0], color="grey", lw=0.4)
+    ax.text(6.2, 1.9, "low nibbles:\nweights 0-15", ha="right", va="center", fontsize=7)
+    ax.text(6.2, 0.5, "high nibbles:\nweights 16-31", ha="right", va="center", fontsize=7)
+    ax.set_xlim(-0.3, 32.5)
+    ax.set_ylim(-0.3, 4.7)
+    ax.axis("off")
+    ax.set_title(title or "one Q4_1 block: 20 bytes for 32 weights, weight = d * q + m", fontsize=9)
     return ax

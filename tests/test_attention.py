@@ -48,19 +48,19 @@ def test_split_by_padding_keeps_small_batches_whole_and_cuts_spread_ones():
     assert split_by_padding([], [], []) == []
 
 
-def test_decode_rows_stay_one_group_when_the_cache_reads_them_in_place():
-    from minivllm.attention import COMPILED, GATHER, PagedBatch, MiniPagedKVCache
+def test_the_groups_are_built_only_for_the_pytorch_path():
+    """A paged kernel reads the ragged metadata (every row to its own length); the padded groups of the PyTorch
+    path are built when first asked for, once per step."""
+    from minivllm.attention import PagedBatch
 
     lens = [16 * (1 + i % 20) for i in range(32)] + [40]  # 32 spread decode rows, then a 40-token prefill
     tables = [list(range(n // 16 + 1)) for n in lens]
-    query_lens = [1] * 32 + [40]
-    split = PagedBatch(tables, lens, query_lens, 16, "cpu", 3)
-    whole = PagedBatch(tables, lens, query_lens, 16, "cpu", 3, split_decodes=False)
-    assert len(split.groups) >= 3  # the gather cuts the decodes, and the prefill is a group of its own
-    assert len(whole.groups) == 2 and whole.groups[0].block_tables.shape[0] == 32
-    assert [sorted(g.out_index.tolist()) for g in whole.groups] == [list(range(32)), list(range(32, 72))]
-    assert not MiniPagedKVCache(1, 4, 16, 1, 8, attention_kernel=COMPILED).splits_decode_rows
-    assert MiniPagedKVCache(1, 4, 16, 1, 8, attention_kernel=GATHER).splits_decode_rows
+    batch = PagedBatch(tables, lens, [1] * 32 + [40], 16, "cpu", 3)
+    assert "groups" not in batch.__dict__
+    assert batch.cu_seq_q.tolist() == list(range(33)) + [72] and batch.context_lens.tolist() == lens
+    assert batch.block_table.shape == (33, 21) and batch.block_table.dtype == torch.int32
+    groups = batch.groups
+    assert len(groups) >= 3 and batch.groups is groups  # the gather cuts the decodes; the prefill is its own
 
 
 def _paged_step(ctx: list[int], qlen: list[int], seed: int = 0, cache_cls=None):

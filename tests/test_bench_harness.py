@@ -147,13 +147,18 @@ def test_step_breakdown_times_each_phase_and_leaves_the_engine_empty():
 def test_decode_op_breakdown_sorts_op_time_into_kinds_and_leaves_the_engine_empty():
     from minivllm.bench import OP_KINDS, decode_op_breakdown
 
-    llm = LLM("tiny-random", block_size=4)
-    row = decode_op_breakdown(llm, 3, prompt_len=8, steps=2)
-    assert set(row) == set(OP_KINDS.values()) | {"other ops", "total"}
-    assert row["matmuls"] > 0 and row["KV gather"] > 0 and row["attention"] > 0 and row["other ops"] > 0
-    assert row["total"] == pytest.approx(sum(v for k, v in row.items() if k != "total"))
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_total_blocks
+    rows = {}
+    for table in ("reference", "auto"):
+        llm = LLM("tiny-random", block_size=4, kernels=table)
+        rows[llm.engine.stats().kernels] = row = decode_op_breakdown(llm, 3, prompt_len=8, steps=2)
+        assert set(row) == set(OP_KINDS.values()) | {"other ops", "total", "calls"}
+        assert row["matmuls"] > 0 and row["attention"] > 0 and row["other ops"] > 0 and row["calls"] > 0
+        assert row["total"] == pytest.approx(sum(v for k, v in row.items() if k not in ("total", "calls")))
+        assert not llm.engine.has_unfinished_requests()
+        assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_total_blocks
+    assert rows["reference"]["KV gather"] > 0  # PyTorch's path gathers each row's blocks
+    if "cpu" in rows:  # the kernel table's paged attention reads the pool in place, in fewer calls
+        assert rows["cpu"]["KV gather"] < rows["reference"]["KV gather"] and rows["cpu"]["calls"] < rows["reference"]["calls"]
 
 
 def test_timer_and_phase_clock_measure_wall_time_on_the_cpu():

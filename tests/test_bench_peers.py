@@ -139,6 +139,32 @@ def test_peer_settings_bind_every_core_and_size_the_caches_for_the_workload():
     assert settings["n_ctx"] >= tokens and env == {}
 
 
+def test_vllms_own_thread_binding_is_kept_when_the_user_names_it(monkeypatch):
+    """vLLM's default binding ("auto") keeps a core for its engine-core process; a user who asks for it gets it."""
+    workload = make_workload("offline", load_tokenizer("tiny-random"), num_requests=4)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert peer_settings("vllm-eager", workload, ncores=2)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    assert peer_settings("vllm-eager", workload, ncores=2)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+
+
+def test_the_measured_peer_table_shows_every_row_with_when_where_and_how(tmp_path):
+    data = peers.measured_peers()  # the committed figures load and have every field
+    table = peers.measured_peer_table(data)
+    for row in data["rows"]:
+        assert row["system"] in table and f"{row['tok_s']:.1f}" in table and row["settings"] in table
+    assert data["taken"] in table and data["machine"] in table and all(c in table for c in data["commands"])
+    vllm = next(r for r in data["rows"] if r["system"].startswith("vLLM"))
+    assert f"{sorted(vllm['minivllm_over_it'])[1]:.2f}x" in table  # the median of the rounds
+    broken = {**data, "rows": [{k: v for k, v in data["rows"][0].items() if k != "prefill_s"}]}
+    (tmp_path / "m.json").write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match="lacks \\['prefill_s'\\]"):
+        peers.measured_peers(tmp_path / "m.json")
+    (tmp_path / "m.json").write_text(json.dumps({**data, "commands": []}))
+    with pytest.raises(ValueError, match="'commands' is missing"):
+        peers.measured_peers(tmp_path / "m.json")
+
+
 def test_a_failed_setup_names_the_peer_and_its_log(empty_peers, monkeypatch, capsys):
     monkeypatch.setattr(peers, "setup_commands", lambda key: [[sys.executable, "-c", "raise SystemExit(3)"]])
     assert setup_peer("llamacpp") is False

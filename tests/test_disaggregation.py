@@ -377,19 +377,6 @@ def test_a_handshake_mismatch_is_refused_naming_the_field():
     assert not _wait_gone(_children(os.getpid()) - before)
 
 
-def test_with_compile_attention_the_decode_worker_compiles_every_bucket_before_it_reports_ready(reference):
-    with LLM("tiny-random", disaggregated=True, compile_attention=True, max_num_seqs=4, num_blocks=64) as llm:
-        before = llm.engine.worker_stats()["decode"]["engine"]
-        assert before.attention_kernel == "compiled in-place decode" and before.attention_compiled_buckets == (1, 2, 4)
-        assert llm.engine.compile_decode_buckets() == 0.0  # the front has nothing of its own to compile
-        prompts = chat_prompts(llm.get_tokenizer(), 3)  # three rows decode together: bucket 4
-        outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-        after = assert_clean(llm)["decode"]["engine"]
-    want = reference.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
-    assert after.attention_compile_seconds == before.attention_compile_seconds  # no request waited for a compile
-
-
 def test_smollm2_is_token_identical_to_one_engine():
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with LLM("smollm2-135m", disaggregated=True, num_blocks=512) as llm:

@@ -56,3 +56,29 @@ def test_optimisations_keep_smollm2_output(options, references):
         assert [o.outputs[0].token_ids for o in outs] == expected[:8]
     if options.get("enable_prefix_caching"):
         assert llm.engine.stats().prefix_cache_hit_rate > 0.4
+
+
+@pytest.mark.parametrize("options", [
+    dict(enable_chunked_prefill=True, max_prefill_chunk_size=33, block_size=16, enable_prefix_caching=True),
+    dict(num_blocks=110, block_size=4, preemption_mode="swap"),
+    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                             "prompt_lookup_max": 4}),
+], ids=["chunked+prefix", "swap", "speculative"])
+def test_gguf_weights_keep_smollm2_output(options, references):
+    """quantization='gguf' (the GGUF's 4-bit blocks read as stored by the C++ kernels for rows of up to eight
+    tokens: decode and verified drafts) gives HF's greedy tokens, with chunked prefill and prefix caching,
+    preemption and speculation. The float32 kernels: the tests above (kernels='auto')."""
+    from minivllm import kernels
+
+    if kernels.cpu_table() is None:
+        pytest.skip("quantization='gguf' runs the C++ kernels, which do not build here")
+    prompts, expected = references("smollm2-135m")
+    options = {"num_blocks": 1000, **options}
+    llm = LLM("smollm2-135m", max_num_seqs=6, max_num_batched_tokens=768, device="cpu", quantization="gguf",
+              **options)
+    outs = llm.generate(prompts[:6], greedy(MAX_NEW["smollm2-135m"]), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:6]
+    stats = llm.engine.stats()
+    assert (stats.kernels, stats.quantization) == ("cpu", "gguf")
+    if options["num_blocks"] == 110:
+        assert stats.num_preemptions > 0

@@ -1,5 +1,6 @@
 """The exercise notebooks are generated from the solutions and kept in step."""
 
+import functools
 import importlib.util
 import json
 import re
@@ -38,7 +39,8 @@ def test_exercises_hide_the_solutions(path):
     if nb["metadata"].get("minivllm", {}).get("capstone"):
         pytest.skip("the capstone has nothing to write: it plugs in the other exercises' parts")
     code = "\n".join(c["source"] for c in nb["cells"] if c["cell_type"] == "code")
-    assert generate.BEGIN not in code and "NotImplementedError" in code
+    assert generate.BEGIN not in code and generate.CPP_BEGIN not in code
+    assert "NotImplementedError" in code or "MINIVLLM_NOT_WRITTEN(" in code  # a Python stub, or a C++ one (18)
 
 
 def test_strip_solutions_keeps_indentation_and_tags_top_level():
@@ -57,6 +59,69 @@ def test_a_stub_names_its_part():
     assert [line.strip() for line in out.split("\n") if generate.is_stub(line)] == [
         f'raise NotImplementedError("not written yet: {name}")' for name in ("My.a", "My.b", "g")]
     assert generate.NOT_WRITTEN == NOT_WRITTEN  # what the capstone and the status command look for
+
+
+CPP_CELL = """%%writefile your_engine/kernels_inner.cpp
+#include "inner.h"
+
+namespace minivllm {
+
+inline void attend_tile(const AttentionTile& t) {
+  // BEGIN SOLUTION
+  const int D = t.head_dim;  # not a marker in C++: # BEGIN SOLUTION
+  // END SOLUTION
+}
+
+inline void q4_1_block_dot(const uint8_t* block, const float* x, int64_t x_stride,
+                           int rows, fvec* acc) {
+  // BEGIN SOLUTION
+  const float d = half_to_float(read_u16(block));
+  // END SOLUTION
+}
+
+}  // namespace minivllm"""
+
+
+def test_cpp_regions_become_the_not_written_macro_naming_their_function():
+    """A cell that writes a C++ file (exercise 18) is marked with //, and each region becomes
+    MINIVLLM_NOT_WRITTEN(function); the cell is not tagged to raise (writing a file never does)."""
+    out, found, top = generate.strip_solutions(CPP_CELL)
+    stubs = [line.strip() for line in out.split("\n") if generate.is_stub(line)]
+    assert stubs == [generate.CPP_STUB.format(name) for name in ("attend_tile", "q4_1_block_dot")]
+    assert found and not top and "half_to_float" not in out and "head_dim" not in out
+    assert out.startswith("%%writefile your_engine/kernels_inner.cpp\n") and out.endswith("}  // namespace minivllm")
+    assert generate.solution_regions(CPP_CELL) == [
+        "  const int D = t.head_dim;  # not a marker in C++: # BEGIN SOLUTION",
+        "  const float d = half_to_float(read_u16(block));"]
+    python = "def f():\n    x = 1  // BEGIN SOLUTION is not a Python marker\n    return x\n"
+    assert generate.strip_solutions(python) == (python, False, False)
+    with pytest.raises(ValueError, match="inside a C\\+\\+ function"):
+        generate.strip_solutions("%%writefile a.cpp\n// BEGIN SOLUTION\nint x;\n// END SOLUTION")
+    with pytest.raises(ValueError, match="without"):
+        generate.strip_solutions("%%writefile a.cpp\nvoid f() {\n  // BEGIN SOLUTION\n}")
+
+
+def test_a_cpp_stub_builds_and_its_op_says_not_written():
+    """The generated C++ stub compiles with minivllm's ops.cpp, and each op whose inner loop is still the stub raises
+    NotImplementedError("not written yet: <function>"), as a Python stub does; the other ops run."""
+    from minivllm.kernels import build
+
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler here")
+    from minivllm.kernels.cpu import CpuKernels
+
+    out, _, _ = generate.strip_solutions(CPP_CELL)
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "kernels_inner.cpp"
+    path.write_text(out.split("\n", 1)[1] + "\n")
+    table = CpuKernels(build.load(build.build(path, quiet=True)), "cpu (yours)")
+    assert table.not_written() == ["attend_tile", "q4_1_block_dot"]
+    import torch
+
+    with pytest.raises(NotImplementedError, match="^not written yet: q4_1_block_dot$"):
+        table.q4_1_linear(torch.ones(2, 64), torch.zeros(3, 40, dtype=torch.uint8))
+    torch.testing.assert_close(table.silu_and_mul(torch.zeros(1, 8)), torch.zeros(1, 4))
 
 
 @pytest.mark.parametrize("src", ["# BEGIN SOLUTION\nx", "x\n# END SOLUTION", "# BEGIN SOLUTION\n# BEGIN SOLUTION\n"])
@@ -83,7 +148,8 @@ def test_filling_the_stubs_with_the_solution_gives_the_solution(path):
     solution = json.loads(path.read_text())
     exercise = json.loads((ROOT / "exercises" / path.name).read_text())
     filled = generate.fill_stubs(exercise, solution)
-    code = lambda nb: ["".join(c["source"]).replace(generate.BEGIN, "").replace(generate.END, "")  # noqa: E731
+    markers = (generate.CPP_BEGIN, generate.CPP_END, generate.BEGIN, generate.END)
+    code = lambda nb: [functools.reduce(lambda s, m: s.replace(m, ""), markers, "".join(c["source"]))  # noqa: E731
                        for c in nb["cells"] if c["cell_type"] == "code"]
     strip = lambda cells: ["\n".join(line for line in c.split("\n") if line.strip()) for c in cells]  # noqa: E731
     assert strip(code(filled)) == strip(code(solution))
@@ -129,7 +195,10 @@ def test_chapters_point_to_the_exercise_before_showing_its_answer(path):
     assert link is not None, f"{chapter.name} never links to its exercise"
     targets = _targets(json.loads(path.read_text()))
     for i, cell in enumerate(cells):
-        shown = set(re.findall(r"getsource\((?:\w+\.)*(\w+)\)", "".join(cell["source"]))) & targets
+        source = "".join(cell["source"])
+        shown = set(re.findall(r"getsource\((?:\w+\.)*(\w+)\)", source)) & targets
+        if re.search(r"\binner\.cpp\b.*read_text\(\)", source):  # exercise 18's answer: minivllm's C++ loops
+            shown.add("inner.cpp")
         if shown:
             assert i > link, f"{chapter.name} cell {i} shows {shown} before linking to the exercise"
             assert "hide-input" in cell["metadata"].get("tags", []), f"{chapter.name} cell {i}: collapse it"

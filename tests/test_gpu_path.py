@@ -10,7 +10,7 @@ import torch
 
 from minivllm import LLM
 from minivllm import attention
-from minivllm.attention import GATHER, VARLEN, MiniPagedKVCache, PagedBatch, choose_attention_kernel
+from minivllm.attention import GATHER, PAGED_KERNEL, VARLEN, MiniPagedKVCache, PagedBatch, choose_attention_kernel
 from minivllm.config import EngineConfig, resolve_dtype
 from minivllm.copy_stream import BlockCopier
 from minivllm.cuda_graphs import MiniDecodeGraphRunner, bucket_for, capture_sizes
@@ -48,9 +48,13 @@ def test_cuda_graphs_default_on_cuda_off_with_enforce_eager_and_never_on_cpu(mon
 
 # -- attention kernel choice ----------------------------------------------------------------------------
 
-def test_cpu_engine_reports_the_gather_kernel_and_no_graphs():
+def test_cpu_engine_reports_its_attention_kernel_and_no_graphs():
+    """The kernel table's paged attention where the C++ kernels build, PyTorch's gather with the reference."""
     stats = LLM("tiny-random", num_blocks=32, device="cpu").engine.stats()
-    assert stats.attention_kernel == GATHER and stats.cuda_graph_sizes == ()
+    assert stats.attention_kernel == (GATHER if stats.kernels == "reference" else PAGED_KERNEL)
+    assert stats.cuda_graph_sizes == ()
+    stats = LLM("tiny-random", num_blocks=32, device="cpu", kernels="reference").engine.stats()
+    assert (stats.kernels, stats.attention_kernel) == ("reference", GATHER)
 
 
 def test_kernel_choice_on_cuda_needs_ampere_half_precision_and_a_passing_probe(monkeypatch):

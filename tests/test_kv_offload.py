@@ -193,3 +193,24 @@ def test_cli_refuses_offload_without_prefix_caching(capsys):
         main(["bench", "--workload", "offline", "--model", "tiny-random", "--kv-offload-blocks", "8"])
     assert exc.value.code == 2
     assert "--kv-offload-blocks" in capsys.readouterr().err
+
+
+def test_eager_offload_copies_each_full_block_once_when_it_fills_and_lazy_only_on_eviction():
+    """Chapter 14's comparison: vLLM's timing (EagerOffloadBlockManager) against minivllm's lazy offload, on a pool
+    that never evicts (lazy copies nothing, eager every full block, each once) and on one that does (same tokens)."""
+    from minivllm.bench import EagerOffloadBlockManager
+
+    kw = dict(block_size=16, enable_prefix_caching=True, max_num_seqs=4, kv_offload_blocks=256)
+    prompts = chat_prompts(LLM("tiny-random", num_blocks=8).get_tokenizer(), 8)
+    requests = two_rounds(prompts, greedy(4, ignore_eos=True))
+    full_blocks = {(tuple(p[:(i + 1) * 16])) for p in prompts for i in range((len(p) + 3) // 16)}
+    results = {}
+    for name, cls in (("lazy", MiniBlockManager), ("eager", EagerOffloadBlockManager)):
+        for pool in (512, 40):
+            llm = LLM("tiny-random", num_blocks=pool, block_manager_cls=cls, **kw)
+            results[name, pool] = run_all(llm, requests)
+            llm.engine.check_invariants()
+    assert results["lazy", 512][1].num_offloaded_blocks == 0
+    assert results["eager", 512][1].num_offloaded_blocks == len(full_blocks)  # every full block, once
+    assert results["eager", 40][1].num_offloaded_blocks >= results["lazy", 40][1].num_offloaded_blocks > 0
+    assert len({str(outs) for outs, _ in results.values()}) == 1  # when the copy is made changes no token

@@ -66,7 +66,7 @@ def test_packing_fuses_the_projections_that_share_an_input():
         qkv = attn.project_qkv(x)
         assert qkv.shape == (5, 576 + 192 + 192)
         q, k, v = qkv.split([576, 192, 192], dim=-1)
-        gate, up = mlp.project_gate_up(x)
+        gate, up = mlp.project_gate_up(x).chunk(2, dim=-1)
         for out, m in ((q, attn.q_proj), (k, attn.k_proj), (v, attn.v_proj), (gate, mlp.gate_proj), (up, mlp.up_proj)):
             assert torch.allclose(out, linear(x, m.weight), atol=1e-4)
 
@@ -75,7 +75,7 @@ def test_packing_fuses_the_projections_that_share_an_input():
 def test_a_packed_model_multiplies_up_to_plain_max_rows_through_the_row_major_weights(plain_max_rows):
     """Matrix-vector products (at most the model's plain_max_rows rows) run F.linear on the row-major weights;
     more rows run oneDNN's packed copy: bitwise what each kernel gives, and each other's to float32 rounding."""
-    from minivllm.models.llama import PLAIN_MATMUL_MAX_ROWS
+    from minivllm.models.linear import PLAIN_MATMUL_MAX_ROWS
 
     packed, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
     if packed.lm_head.packed is None:
@@ -107,13 +107,13 @@ def test_a_packed_model_multiplies_up_to_plain_max_rows_through_the_row_major_we
             m.plain_max_rows = measured
 
 
-def test_the_layout_and_the_compiled_rows_are_rules_never_timed(monkeypatch):
+def test_the_layout_is_a_rule_never_timed(monkeypatch):
     """Which kernel multiplies a row decides its rounding, so no load times one against another (issue 61): with
-    every clock of the process frozen, packing keeps the plain layout for PLAIN_MATMUL_MAX_ROWS rows and
-    compile_matvec takes MATVEC_MAX_ROWS, as always; set_plain_rows pins another split, within its range."""
+    every clock of the process frozen, packing keeps the plain layout for PLAIN_MATMUL_MAX_ROWS rows, as always;
+    set_plain_rows pins another split, within its range."""
     import time as time_module
 
-    from minivllm.models import llama
+    from minivllm.models import linear
 
     def frozen():
         raise AssertionError("a model load read the clock to choose a kernel")
@@ -121,98 +121,17 @@ def test_the_layout_and_the_compiled_rows_are_rules_never_timed(monkeypatch):
     model, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
     if model.lm_head.packed is None:
         pytest.skip("oneDNN weight packing is not available here")
-    monkeypatch.setattr(llama.CompiledMatvec, "__init__", lambda self: setattr(self, "compile_seconds", 0.0))
-    monkeypatch.setattr(llama.CompiledMatvec, "__call__", lambda self, x, w: torch.nn.functional.linear(x, w))
-    monkeypatch.setattr(llama.LlamaForCausalLM, "_compile_layers", lambda self, rows: None)  # no compiling here
     for name in ("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns"):
         monkeypatch.setattr(time_module, name, frozen)
     try:  # the model is load_model's shared one: put it back as it was
-        assert model.pack_weights() and model.plain_max_rows == llama.PLAIN_MATMUL_MAX_ROWS
-        assert all(m.plain_max_rows == llama.PLAIN_MATMUL_MAX_ROWS for m in model.packed_matmuls())
-        assert model.compile_matvec() == llama.MATVEC_MAX_ROWS == model.matvec_max_rows
-        assert all(m.matvec_max_rows == llama.MATVEC_MAX_ROWS for m in model.matmuls())
+        assert model.pack_weights() and model.plain_max_rows == linear.PLAIN_MATMUL_MAX_ROWS
+        assert all(m.plain_max_rows == linear.PLAIN_MATMUL_MAX_ROWS for m in model.packed_matmuls())
         model.set_plain_rows(0)
         assert all(m.plain_max_rows == 0 for m in model.packed_matmuls())
         with pytest.raises(ValueError, match="rows must be in 0..3"):
             model.set_plain_rows(4)
     finally:
-        model.compile_matvec(max_rows=0)
-        model.set_plain_rows(llama.PLAIN_MATMUL_MAX_ROWS)
-    assert model.matvec is None and all(m.matvec is None for m in model.matmuls())
-
-
-class LayerSpy:
-    """Stands in for a CompiledLayer: records the rows each half is called with, then runs the real one."""
-
-    def __init__(self, real, calls):
-        self.before = lambda layer, x, *a: calls.append(x.shape[0]) or real.before(layer, x, *a)
-        self.after = lambda layer, x, *a: calls.append(x.shape[0]) or real.after(layer, x, *a)
-
-
-def test_a_compiled_decode_takes_one_and_two_rows_and_computes_what_the_eager_model_does():
-    """compile_matvec on tiny-random (cache-sized: not timed, takes MATVEC_MAX_ROWS): one and two rows run each
-    layer's compiled halves and the compiled LM head, three run the layouts as before; the logits equal the
-    uncompiled model's to float32 rounding."""
-    from minivllm.models.llama import MATVEC_MAX_ROWS, CompiledLayer, CompiledMatvec
-
-    model, _ = load_model("tiny-random", "cpu", compile_matvec=True)
-    plain, _ = load_model("tiny-random", "cpu")
-    assert plain is not model and plain.matvec is None  # load_model keeps the compiled model apart
-    assert model.matvec_max_rows == MATVEC_MAX_ROWS == 2 and isinstance(model.matvec, CompiledMatvec)
-    assert isinstance(model.compiled_layers, CompiledLayer) and model.matvec_compile_seconds > 0
-    layers, head = [], []
-    real_layers, real_head = model.compiled_layers, model.matvec
-    try:
-        for layer in model.model.layers:
-            layer.compiled = LayerSpy(real_layers, layers)
-        model.lm_head.matvec = lambda x, w: head.append(x.shape[0]) or real_head(x, w)
-        ids = torch.tensor([5, 17, 3, 99])
-        for rows in (1, 2, 3):
-            layers.clear(), head.clear()
-            got, want = model.logits(ids[:rows]), plain.logits(ids[:rows])
-            assert torch.allclose(got, want, atol=1e-4), f"{rows} rows: logits differ from the uncompiled model's"
-            compiled = rows <= 2
-            assert layers == ([rows] * 2 * len(model.model.layers) if compiled else []), f"{rows} rows: {layers}"
-            assert head == ([rows] if compiled else []), f"{rows} rows: the LM head ran {head}"
-    finally:
-        for layer in model.model.layers:
-            layer.compiled = real_layers
-        model.lm_head.matvec = real_head
-
-
-def test_compile_matvec_changes_nothing_where_compiling_fails(monkeypatch):
-    from minivllm.models import llama
-
-    def broken(self, *args):
-        raise RuntimeError("no compiler")
-
-    monkeypatch.setattr(llama.CompiledMatvec, "__call__", broken)
-    model, _ = load_model("tiny-random", "cpu", pack_weights=False)
-    try:
-        assert model.compile_matvec() == 0 and model.matvec is None and model.compiled_layers is None
-        assert all(m.matvec is None and m.matvec_max_rows == 0 for m in model.matmuls())
-        assert all(layer.compiled is None for layer in model.model.layers)
-        assert torch.isfinite(model.logits(torch.tensor([5]))).all()
-    finally:
-        model.compile_matvec(max_rows=0)
-
-
-def test_layers_that_do_not_compile_keep_the_compiled_matvec_per_matmul(monkeypatch):
-    from minivllm.models import llama
-
-    class Broken:
-        def __init__(self):
-            raise RuntimeError("no compiler for a whole layer")
-
-    monkeypatch.setattr(llama, "CompiledLayer", Broken)
-    model, _ = load_model("tiny-random", "cpu", pack_weights=False)
-    try:
-        assert model.compile_matvec() == 2 and model.compiled_layers is None
-        assert all(layer.compiled is None and layer.compiled_max_rows == 0 for layer in model.model.layers)
-        assert all(m.matvec is model.matvec and m.matvec_max_rows == 2 for m in model.matmuls())
-        assert torch.isfinite(model.logits(torch.tensor([5]))).all()
-    finally:
-        model.compile_matvec(max_rows=0)
+        model.set_plain_rows(linear.PLAIN_MATMUL_MAX_ROWS)
 
 
 def test_matmul_layouts_times_both_layouts_over_every_layer():
@@ -225,14 +144,16 @@ def test_matmul_layouts_times_both_layouts_over_every_layer():
         matmul_layouts(plain)
     if packed.lm_head.packed is None:
         pytest.skip("oneDNN weight packing is not available here")
-    times = matmul_layouts(packed, rows=(1, 4), repeats=1)
-    assert set(times) == {1, 4} and all(set(t) == {"plain", "packed"} for t in times.values())
+    times = matmul_layouts(packed, rows=(1, 4, 9), repeats=1)
+    kernel = {"cpu kernel"} if packed.kernels == "cpu" else set()  # the C++ matvec, up to its 8 rows
+    assert set(times) == {1, 4, 9} and [set(t) for t in times.values()] == [{"plain", "packed"} | kernel] * 2 + [
+        {"plain", "packed"}]
     assert all(s > 0 for t in times.values() for s in t.values())
 
 
 def test_bfloat16_packing_computes_what_the_plain_bfloat16_model_does():
     """On a CPU with bf16 oneDNN, packing (and fusing) a bf16 model keeps its logits to within one bf16 step."""
-    from minivllm.models.llama import mkldnn_bf16_supported
+    from minivllm.models.linear import mkldnn_bf16_supported
 
     if not mkldnn_bf16_supported():
         pytest.skip("no bfloat16 oneDNN on this CPU")
@@ -297,7 +218,7 @@ def test_starting_an_engine_imports_no_compiler_and_no_architecture_config():
             "out = llm.generate([[5, 6, 7]], minivllm.SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False); "
             "saved = load_file(next(model_folder('tiny-random').glob('*.safetensors')))['model.embed_tokens.weight']; "
             "print('torch._dynamo' in sys.modules, len(out[0].outputs[0].token_ids), "
-            "torch.equal(model.model.embed_tokens.weight, saved), model.inv_freq.device, "
+            "torch.equal(model.model.embed_tokens.weight, saved), model.model.rotary.cos.device, "
             "'torch.distributed.tensor' in sys.modules)")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)

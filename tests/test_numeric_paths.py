@@ -1,15 +1,16 @@
-"""The chapters' cross-path comparisons hold on every numeric path the engine can take (issue 61).
+"""The chapters' cross-path comparisons hold on every numeric path the engine can take (issues 61, 55).
 
-Which kernel multiplies a row follows a rule (chapter 12), and a user can
-pin another: the row-major weights for up to three rows (the rule), oneDNN's
-packed ones for every row count (``set_plain_rows(0)``), the compiled matvec
-for one and two rows (``compile_matvec``). Chunked against whole prefill
-(chapter 02), paged against the full forward (05), a shared prefix's keys
-(08), a verified chunk against decode steps and speculative against plain
-decoding (17), prefix-cached against cold: each comparison runs under each
-path, at the chapters' own bounds (:mod:`minivllm.tolerances`), with the exact
-claim (the same greedy tokens) beside it. And the same input gives the same
-bits in every fresh process, beside a busy one too: no load times a kernel.
+Which kernel multiplies a row follows a rule (chapters 12, 18), and a user
+can pin another: the kernel table (the C++ kernels, or PyTorch's reference),
+the row-major weights for up to three rows (the rule) or oneDNN's packed ones
+for every row count (``set_plain_rows(0)``), and the GGUF's blocks for decode
+rows (``quantization="gguf"``). Chunked against whole prefill (chapter 02),
+paged against the full forward (05), a shared prefix's keys (08), a verified
+chunk against decode steps and speculative against plain decoding (17),
+prefix-cached against cold: each comparison runs under each path, at the
+chapters' own bounds (:mod:`minivllm.tolerances`), with the exact claim (the
+same greedy tokens) beside it. And the same input gives the same bits in
+every fresh process, beside a busy one too: no load times a kernel.
 """
 
 import contextlib
@@ -22,36 +23,36 @@ import time
 import pytest
 import torch
 
-from minivllm import LLM, SamplingParams
-from minivllm.attention import ContiguousKVCache, PagedBatch, PagedKVCache
+from minivllm import LLM, SamplingParams, kernels
+from minivllm.attention import ContiguousKVCache, MiniPagedKVCache, PagedBatch
 from minivllm.bench.speculative import SPEC, speculative_prompts
-from minivllm.models.llama import PLAIN_MATMUL_MAX_ROWS
+from minivllm.models import load_model
+from minivllm.models.linear import PLAIN_MATMUL_MAX_ROWS
 from minivllm.simple_generation import chat_prompt_ids, generate_cached, prefill_chunked
 from minivllm.tolerances import MODEL_ATOL, top2_margin
 
-PATHS = ["rule", "packed", "compiled"]
-
-
-@pytest.fixture(scope="module")
-def model_and_tok(smollm2):
-    model, tok = smollm2
-    if model.lm_head.packed is None:
-        pytest.skip("oneDNN weight packing is not available here: one path only")
-    return model, tok
+PATHS = {  # name: load_model's options, and the plain rows the path pins
+    "cpu kernels": ({"kernels": "cpu"}, PLAIN_MATMUL_MAX_ROWS),
+    "cpu kernels, packed every row": ({"kernels": "cpu"}, 0),
+    "reference kernels": ({"kernels": "reference"}, PLAIN_MATMUL_MAX_ROWS),
+    "gguf weights": ({"kernels": "cpu", "quantization": "gguf"}, PLAIN_MATMUL_MAX_ROWS),
+}
 
 
 @contextlib.contextmanager
-def numeric_path(model, name):
-    """Run the shared SmolLM2 on one path, then put the rule back."""
-    if name == "packed":
-        model.set_plain_rows(0)
-    elif name == "compiled" and model.compile_matvec() == 0:
-        pytest.skip("torch.compile does not work here")
+def numeric_path(name):
+    """SmolLM2 on one path (its model, its tokenizer, the engine options that give it), then the rule put back."""
+    options, plain_rows = PATHS[name]
+    if options["kernels"] == "cpu" and kernels.cpu_table() is None:
+        pytest.skip("no C++ kernels here (no compiler): the reference path is the only one")
+    model, tok = load_model("smollm2-135m", "cpu", **options)
+    if model.lm_head.packed is None:
+        pytest.skip("oneDNN weight packing is not available here")
+    model.set_plain_rows(plain_rows)
     try:
-        yield
+        yield model, tok, options
     finally:
         model.set_plain_rows(PLAIN_MATMUL_MAX_ROWS)
-        model.compile_matvec(max_rows=0)
 
 
 def assert_same_within_rounding(got, want, what):
@@ -60,9 +61,8 @@ def assert_same_within_rounding(got, want, what):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_the_chapters_comparisons_hold_on_every_path(model_and_tok, path):
-    model, tok = model_and_tok
-    with numeric_path(model, path), torch.inference_mode():
+def test_the_chapters_comparisons_hold_on_every_path(path):
+    with numeric_path(path) as (model, tok, _), torch.inference_mode():
         # Chapter 17: a verified row (the last token and four drafts) against five decode steps.
         ids = chat_prompt_ids(tok, "Fix the typo in this sentence and write it out again: The quick brown fox jumsp "
                                    "over the lazy dog while the old cat sleeps in the warm sun.")
@@ -103,7 +103,7 @@ def test_the_chapters_comparisons_hold_on_every_path(model_and_tok, path):
         new = [1, 6, 1, len(token_ids[3])]
         free = iter(torch.randperm(32, generator=torch.Generator().manual_seed(2)).tolist())
         tables = [[next(free) for _ in range(math.ceil(len(t) / 16))] for t in token_ids]
-        kv = PagedKVCache.for_model(model, num_blocks=32, block_size=16)
+        kv = MiniPagedKVCache.for_model(model, num_blocks=32, block_size=16)
         group = model.config.num_attention_heads // model.config.num_key_value_heads
         oracle = [model.logits(t) for t in token_ids]
         for rows in ([(b, 0, len(t) - k) for b, (t, k) in enumerate(zip(token_ids, new)) if len(t) > k],
@@ -131,16 +131,15 @@ def test_the_chapters_comparisons_hold_on_every_path(model_and_tok, path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_speculative_and_prefix_cached_engines_give_plain_decodings_tokens_on_every_path(model_and_tok, path):
-    model, tok = model_and_tok
-    prompts = speculative_prompts(tok, "repetitive", 2) + speculative_prompts(tok, "open", 1)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+def test_speculative_and_prefix_cached_engines_give_plain_decodings_tokens_on_every_path(path):
     engines = {"plain": {}, "speculative": {"speculative_config": SPEC},
                "prefix-cached": {"enable_prefix_caching": True}}
-    with numeric_path(model, path):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with numeric_path(path) as (model, tok, path_options):
+        prompts = speculative_prompts(tok, "repetitive", 2) + speculative_prompts(tok, "open", 1)
         tokens = {}
         for name, options in engines.items():
-            llm = LLM("smollm2-135m", device="cpu", num_blocks=128, **options)
+            llm = LLM("smollm2-135m", device="cpu", num_blocks=128, **path_options, **options)
             assert llm.engine.model is model
             runs = [llm.generate(prompts, params, use_tqdm=False)]
             if name == "prefix-cached":  # again: the prompts' blocks now come from the cache

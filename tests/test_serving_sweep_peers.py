@@ -112,7 +112,7 @@ def test_the_sweep_with_the_peers_missing_skips_them_and_measures_minivllm(empty
     assert list(json.loads(report.read_text())["results"]) == ["minivllm serve"]
 
 
-def test_the_sweep_gives_minivllm_its_compiled_paths_when_asked_in_the_server_and_the_offline_engine(
+def test_the_sweep_gives_minivllm_its_kernel_options_when_asked_in_the_server_and_the_offline_engine(
         empty_peers, capsys, tmp_path, monkeypatch):
     from minivllm.bench import serving_sweep
 
@@ -122,17 +122,16 @@ def test_the_sweep_gives_minivllm_its_compiled_paths_when_asked_in_the_server_an
     report = tmp_path / "sweep.json"
     small = ["--model", "tiny-random", "--skip-transformers", "--rates", "8", "--num-requests", "2", "--output-len",
              "2", "2", "--prompt-len", "4", "4", "--repeats", "1", "--max-num-seqs", "4"]
-    assert serving_sweep_main([*small, "--compile-attention", "--compile-matvec", "--json", str(report)]) == 0
+    assert serving_sweep_main([*small, "--kernels", "reference", "--json", str(report)]) == 0
     sweep = json.loads(report.read_text())
     argv = sweep["servers"]["minivllm serve"]["argv"]
-    assert "--compile-attention" in argv and "--compile-matvec" in argv
-    assert asked[-1]["compile_attention"] is True and asked[-1]["compile_matvec"] is True
+    assert "--kernels=reference" in argv and asked[-1]["kernels"] == "reference"
     assert sweep["results"]["minivllm serve"]["8.0"]["failed"] == 0
-    assert not parse_args(small).compile_attention and not parse_args(small).compile_matvec  # off by default
+    assert parse_args(small).kernels == "auto" and parse_args(small).quantization is None  # the defaults
     assert serving_sweep_main([*small, "--json", str(report)]) == 0
-    assert not {"--compile-attention", "--compile-matvec"} & set(json.loads(report.read_text())["servers"][
-        "minivllm serve"]["argv"])
-    assert "compile_attention" not in asked[-1] and "compile_matvec" not in asked[-1]
+    assert not any(a.startswith(("--kernels", "--quantization"))
+                   for a in json.loads(report.read_text())["servers"]["minivllm serve"]["argv"])
+    assert "kernels" not in asked[-1] and "quantization" not in asked[-1]
 
 
 def test_the_sweep_gives_minivllm_chunked_prefill_when_asked_and_refuses_a_budget_no_prompt_fits_without_it(

@@ -1,4 +1,4 @@
-"""The chapters' drawing functions draw what they are given (chapters 05, 13, 14, 15): light checks of their artists."""
+"""The chapters' drawing functions draw what they are given (chapters 05, 13, 14, 15, 17, 18): light checks of their artists."""
 
 import math
 
@@ -103,3 +103,65 @@ def test_spec_rollback_draws_each_slot_the_cached_blocks_and_the_released_ones()
     assert len([p for p in _rectangles(ax) if p.get_fill() and not p.get_hatch()]) == 12 + 8
     shown = " ".join(t.get_text() for t in ax.texts)
     assert f"block {table[2]}: back to the pool" in shown and "(cached)" in shown
+
+
+def test_paged_row_draws_the_pool_each_rows_keys_and_one_arrow_per_block():
+    from minivllm.viz import plot_paged_row
+
+    table, length, bs, pool, positions = [5, 1, 3], 10, 4, 7, [9, 6, 8]
+    ax = plot_paged_row(table, length, bs, pool, positions, heads=(6, 2))
+    rects = _rectangles(ax)
+    assert len(rects) == pool * bs + len(positions) * len(table) * bs + 6 + 2  # slots, row keys, heads
+    hatched = [p for p in rects if p.get_hatch()]
+    assert len(hatched) == sum(len(table) * bs - (p + 1) for p in positions)  # keys after each row's position
+    assert len(_arrows(ax)) == len(table) + 6  # one per logical block, one per query head
+    shown = " ".join(t.get_text() for t in ax.texts)
+    assert "(table[0])" in shown and "(table[2])" in shown and "6 query heads, 2 KV heads" in shown
+
+
+def test_q4_1_block_draws_its_bytes_and_32_weights_as_d_q_plus_m():
+    import struct
+
+    from minivllm.viz import plot_q4_1_block
+
+    quants = list(range(16)) + [15 - j // 2 for j in range(16)]
+    block = struct.pack("<ee", 0.5, -2.5) + bytes(quants[j] | quants[j + 16] << 4 for j in range(16))
+    ax = plot_q4_1_block(block)
+    assert len(_rectangles(ax)) == 20 + 32
+    shown = [t.get_text() for t in ax.texts]
+    assert "d (fp16)\n0.5" in shown and "m (fp16)\n-2.5" in shown
+    for j, q in enumerate(quants):
+        assert f"w{j}: q={q}" in shown and f"{0.5 * q - 2.5:.4g}" in shown
+    with pytest.raises(ValueError, match="20 bytes"):
+        plot_q4_1_block(block[:19])
+
+
+@pytest.mark.parametrize("before, device, after", [(2.0, 10.0, 3.0), (4.0, 2.0, 3.0), (3.0, 5.0, 3.0)])
+def test_step_overlap_keeps_each_lane_serial_and_each_step_in_order(before, device, after):
+    """The model behind chapter 13's figure: one host thread, one device; a step's forward after its schedule,
+    its update after its forward; asynchronous scheduling runs a step every max(forward, host work)."""
+    from minivllm.viz import step_overlap
+
+    for overlap, period in ((False, before + device + after), (True, max(device, before + after))):
+        run = step_overlap(before, device, after, steps=6, overlap=overlap)
+        assert math.isclose(run["period"], period)
+        for lane in ("host", "device"):
+            spans = sorted(run[lane])
+            assert all(a[0] + a[1] <= b[0] + 1e-9 for a, b in zip(spans, spans[1:])), lane
+        start = {label: s for s, _, label in run["host"] + run["device"]}
+        end = {label: s + n for s, n, label in run["host"] + run["device"]}
+        for k in range(6):
+            assert end[f"schedule {k}"] <= start[f"forward {k}"] and end[f"forward {k}"] <= start[f"update {k}"]
+            if not overlap and k:  # synchronous: nothing of step k before step k - 1 is done
+                assert end[f"update {k - 1}"] <= start[f"schedule {k}"]
+
+
+def test_engine_processes_draws_both_architectures_and_both_timelines():
+    from minivllm.viz import plot_engine_processes
+
+    left, right = plot_engine_processes(0.004, 0.02, 0.006)
+    shown = " ".join(t.get_text() for t in left.texts)
+    assert "EngineCore process" in shown and "one GIL" in shown and "run_busy_loop" in shown
+    labels = " ".join(t.get_text() for t in right.texts)
+    assert "a step every 30.0 ms" in labels and "a step every 20.0 ms" in labels
+    assert len(right.patches) >= 2 * (3 * 3)  # three steps, three phases each, in both timelines

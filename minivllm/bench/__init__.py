@@ -8,12 +8,13 @@ chapter's experiment.
 
 import sys
 
-from minivllm.bench import (baselines, contention, disaggregation, harness, interference, kv_offload, metrics, online,
-                            peers, preemption, server_process, serving_sweep, shared_prefix, speculative, throughput,
-                            timing, trace, workloads)
+from minivllm.bench import (baselines, contention, disaggregation, front_end, harness, interference, kv_offload,
+                            metrics, online, peers, preemption, server_process, serving_sweep, shared_prefix,
+                            speculative, throughput, timing, trace, workloads)
 from minivllm.bench.baselines import *  # noqa: F401,F403
 from minivllm.bench.contention import *  # noqa: F401,F403
 from minivllm.bench.disaggregation import *  # noqa: F401,F403
+from minivllm.bench.front_end import *  # noqa: F401,F403
 from minivllm.bench.cli import SUBCOMMANDS
 from minivllm.bench.harness import *  # noqa: F401,F403
 from minivllm.bench.interference import *  # noqa: F401,F403
@@ -34,7 +35,7 @@ from minivllm.simulator import SimTrace, sim_sequence, simulate_schedule  # chap
 
 __all__ = [name for module in (timing, metrics, workloads, baselines, trace, harness, throughput, interference,
                                shared_prefix, preemption, online, server_process, serving_sweep, kv_offload,
-                               disaggregation, speculative, peers, contention)
+                               disaggregation, speculative, peers, contention, front_end)
            for name in module.__all__]
 __all__ += ["SimTrace", "sim_sequence", "simulate_schedule", "SUBCOMMANDS", "main"]
 

@@ -11,11 +11,11 @@ import sys
 from minivllm import LLM
 from minivllm.bench.trace import replay, warm_up
 from minivllm.bench.workloads import _blocks_for
-from minivllm.config import available_devices, is_text, shown
+from minivllm.config import KERNEL_TABLES, available_devices, is_text, shown
 
 __all__ = ["positive_int", "nonneg_int", "block_size_int", "top_k_int", "positive_finite_float", "nonneg_finite_float",
            "probability", "watermark_fraction", "device_name", "server_url", "writable_file", "MinMax", "add_min_max",
-           "add_compile_flags", "add_chunked_prefill_flag", "chunked_prefill_options", "check_token_budget", "bench_parser", "offline_env", "SUBCOMMANDS"]
+           "add_kernel_flags", "kernel_options", "add_chunked_prefill_flag", "chunked_prefill_options", "check_token_budget", "bench_parser", "offline_env", "SUBCOMMANDS"]
 
 
 # -- Checked types: each parses one flag's text or raises ArgumentTypeError saying the allowed range ---------
@@ -104,15 +104,21 @@ def add_min_max(parser, flag: str, default, help: str | None = None) -> None:
                         help=help)
 
 
-def add_compile_flags(parser, whose: str = "", compiles: str = "every batch bucket compiles before timing") -> None:
-    """``--compile-attention`` and ``--compile-matvec``: minivllm's compiled paths on the CPU (chapter 12), off
-    unless asked for; ``whose`` names what they apply to, ``compiles`` when the attention's buckets compile."""
-    parser.add_argument("--compile-attention", action="store_true",
-                        help=f"{whose}decode attention read in place, compiled by torch.compile (chapter 12; the "
-                             f"CPU); {compiles}")
-    parser.add_argument("--compile-matvec", action="store_true",
-                        help=f"{whose}decode batches of one or two rows run compiled matrix-vector kernels and layers "
-                             "where that measures faster (chapter 12; the CPU, float32); it compiles at startup")
+def add_kernel_flags(parser, whose: str = "") -> None:
+    """``--kernels`` and ``--quantization``: the kernel table under minivllm's model and the GGUF's weights as stored
+    (chapter 18); ``whose`` names what they apply to. :func:`kernel_options` turns them into engine options."""
+    parser.add_argument("--kernels", choices=KERNEL_TABLES, default="auto",
+                        help=f"{whose}the kernel table: C++ on the CPU, Triton on CUDA, or PyTorch's reference "
+                             "(default: %(default)s, the native kernels where they build)")
+    parser.add_argument("--quantization", choices=["gguf"], default=None,
+                        help=f"{whose}decode rows read the embedded GGUF's Q4_1/Q8_0 blocks as stored (float32 on "
+                             "the CPU; default: off)")
+
+
+def kernel_options(args) -> dict:
+    """The engine options of ``--kernels`` and ``--quantization`` (only those not at their defaults)."""
+    out = {"kernels": args.kernels} if args.kernels != "auto" else {}
+    return out | ({"quantization": args.quantization} if args.quantization else {})
 
 
 def add_chunked_prefill_flag(parser, whose: str = "") -> None:

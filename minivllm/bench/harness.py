@@ -27,7 +27,7 @@ from minivllm.bench.workloads import Workload, _exactly, random_workload
 from minivllm.block_manager import MiniBlockManager
 from minivllm.config import cdiv
 from minivllm.models import load_model
-from minivllm.models.llama import MATVEC_EVENT, MATVEC_MAX_ROWS, Linear
+from minivllm.models.linear import QUANTIZED_MAX_ROWS, Linear
 from minivllm.simple_generation import generate_cached, generate_naive
 from minivllm.timing import Timer, now
 
@@ -325,10 +325,10 @@ def matmul_layouts(model, rows=(1, 2, 4, 16), repeats: int = 5) -> dict[int, dic
     ``"plain"`` multiplies by the row-major weights (``F.linear``), ``"packed"``
     by oneDNN's blocked copies, each over every layer's own weights in turn
     (as a decode step streams them, not one cache-hot matrix), alternating;
-    each figure is the median of ``repeats``. A model loaded with
-    ``compile_matvec=True`` has ``"compiled"`` too, at the row counts it
-    compiled (up to :data:`~minivllm.models.llama.MATVEC_MAX_ROWS`). Needs a
-    packed model (``pack_weights=True`` on a float32 CPU).
+    each figure is the median of ``repeats``. With the C++ kernels
+    (``model.kernels == "cpu"``) their streaming matrix-vector product is
+    ``"cpu kernel"`` too, up to its rows (chapter 18). Needs a packed model
+    (``pack_weights=True`` on a float32 CPU).
     """
     if model.lm_head.packed is None:
         raise ValueError("matmul_layouts needs a model with packed weights (pack_weights=True, float32 on the CPU)")
@@ -340,8 +340,8 @@ def matmul_layouts(model, rows=(1, 2, 4, 16), repeats: int = 5) -> dict[int, dic
     with torch.inference_mode():
         for r in rows:
             kernels = dict(run)
-            if model.matvec is not None and r <= MATVEC_MAX_ROWS:
-                kernels["compiled"] = lambda xs: [model.matvec(xs[w.shape[1]], w) for w, _ in pairs]
+            if model.kernels == "cpu" and r <= QUANTIZED_MAX_ROWS:
+                kernels["cpu kernel"] = lambda xs: [model.ops.linear(xs[w.shape[1]], w) for w, _ in pairs]
             xs = {k: torch.randn(r, k, dtype=pairs[0][0].dtype) for k in {w.shape[1] for w, _ in pairs}}
             times = {name: [] for name in kernels}
             for _ in range(repeats + 1):  # alternating, after one warm-up round
@@ -411,20 +411,13 @@ OP_KINDS = {  # profiler op name -> what it is, for decode_op_breakdown (first m
     "linear": "matmuls", "addmm": "matmuls", "aten::mm": "matmuls", "aten::bmm": "matmuls",
     "index_select": "KV gather", "scaled_dot_product": "attention", "varlen_attn": "attention",
     "index_copy": "KV write", "aten::max": "sampling", "argmax": "sampling",
-    MATVEC_EVENT: "matmuls",  # compile_matvec's graphs (run inside this event): matvec loops, the small ops fused in,
-    # and in a one- or two-row decode step the layer's attention too; filed as matmuls, most of their time
-    "CompiledFxGraph": "attention",  # compile_attention's in-place decode (the other compiled graph)
+    "minivllm::paged_attention": "attention", "minivllm::write_kv": "KV write",  # the kernel table's (chapter 18)
+    "_linear": "matmuls",  # minivllm::linear, q4_1_linear, q8_0_linear
 }
 
 
 def _op_kind(event) -> str:
-    """The kind of a profiler event (:data:`OP_KINDS`): its own name's, or a named ancestor's (a compiled matvec's
-    graph is a matmul, whatever it is called)."""
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name == MATVEC_EVENT:
-            return OP_KINDS[MATVEC_EVENT]
-        parent = parent.cpu_parent
+    """The kind of a profiler event, by its name (:data:`OP_KINDS`)."""
     return next((k for pattern, k in OP_KINDS.items() if pattern in event.name), "other ops")
 
 
@@ -435,6 +428,8 @@ def decode_op_breakdown(llm, batch: int, prompt_len: int = 64, steps: int = 5, s
     op's own time (device time on a GPU) into the kinds of :data:`OP_KINDS`;
     everything else is ``"other ops"`` (norms, RoPE, activations, residuals,
     indexing). ``"total"`` is their sum: op time, without the Python between ops.
+    ``"calls"`` counts the operator calls a step makes (every event the
+    profiler records: torch's ops and the kernel table's, chapter 18).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -454,6 +449,7 @@ def decode_op_breakdown(llm, batch: int, prompt_len: int = 64, steps: int = 5, s
         us = getattr(event, "self_device_time_total", 0) if cuda else event.self_cpu_time_total
         out[_op_kind(event)] += us / 1e6 / steps
     out["total"] = sum(out.values())
+    out["calls"] = len(prof.events()) / steps
     return out
 
 

@@ -20,11 +20,28 @@ from minivllm.attention import MiniPagedKVCache
 from minivllm.bench.cli import bench_parser, offline_env, positive_int
 from minivllm.bench.trace import warm_up
 from minivllm.bench.workloads import random_workload
+from minivllm.block_manager import MiniBlockManager
 from minivllm.config import cdiv, default_device
 from minivllm.models import load_tokenizer
 from minivllm.timing import median_time
 
-__all__ = ["cycling_prompts", "run_cycling", "restore_seconds_per_block", "kv_offload_main"]
+__all__ = ["cycling_prompts", "run_cycling", "restore_seconds_per_block", "EagerOffloadBlockManager", "kv_offload_main"]
+
+
+class EagerOffloadBlockManager(MiniBlockManager):
+    """Offload when a block is full, not when it is evicted: vLLM's offloading connector stores every block that
+    fills in a step (``_get_reqs_to_store``), whether or not the pool will ever evict it. minivllm's own block
+    manager offloads lazily, at the eviction; this one is for measuring the two against each other (chapter 14).
+    A block already in the tier is not copied again when it is evicted (the tier keeps it)."""
+
+    def register_computed_blocks(self, seq) -> None:
+        start = len(self.seq_links.get(seq.seq_id, []))
+        super().register_computed_blocks(seq)
+        if self.tier is None:
+            return
+        for i, (_, link) in enumerate(self.seq_links.get(seq.seq_id, [])[start:], start):
+            if link is not None and link[0] == seq.block_table[i]:  # this sequence's block, cached now
+                self._offload(link[0])
 
 
 def cycling_prompts(tokenizer, num_prompts: int = 16, prefix_len: int = 512, rounds: int = 4,
@@ -36,19 +53,24 @@ def cycling_prompts(tokenizer, num_prompts: int = 16, prefix_len: int = 512, rou
 
 
 def run_cycling(prompts: list[list[int]], model: str, num_blocks: int, kv_offload_blocks: int,
-                output_tokens: int = 4, device=None, block_size: int = 16) -> dict:
-    """One fresh engine runs the prompts one at a time: TTFTs, outputs, prefill tokens computed, final stats."""
+                output_tokens: int = 4, device=None, block_size: int = 16, block_manager_cls=None) -> dict:
+    """One fresh engine runs the prompts one at a time: TTFTs, outputs, prefill tokens computed, final stats, and
+    the seconds its steps spent in their copy phase (``swap``: offloads and restores; on a GPU the copies run on a
+    side stream, so this is the time to launch them)."""
+    extra = {"block_manager_cls": block_manager_cls} if block_manager_cls else {}
     llm = LLM(model, block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=True, max_num_seqs=1,
-              kv_offload_blocks=kv_offload_blocks, device=str(device or default_device()), dtype="float32")
+              kv_offload_blocks=kv_offload_blocks, device=str(device or default_device()), dtype="float32", **extra)
     warm_up(llm)
     engine, params = llm.engine, SamplingParams(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
     before = engine.stats()
-    ttfts, outputs = [], []
+    ttfts, outputs, copy_seconds = [], [], 0.0
     for i, prompt in enumerate(prompts):
         start, first = time.perf_counter(), None
         engine.add_request(f"r{i}", prompt, params)
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            step_outputs = engine.step()
+            copy_seconds += engine.last_step_phases.get("swap", 0.0)
+            for out in step_outputs:
                 first = first or time.perf_counter()
                 if out.finished:
                     outputs.append(out.outputs[0].token_ids)
@@ -56,7 +78,7 @@ def run_cycling(prompts: list[list[int]], model: str, num_blocks: int, kv_offloa
     stats = engine.stats()
     computed = (stats.prefix_cache_queries - before.prefix_cache_queries) - \
         (stats.prefix_cache_hits - before.prefix_cache_hits)
-    return {"ttfts": ttfts, "outputs": outputs, "computed": computed, "stats": stats,
+    return {"ttfts": ttfts, "outputs": outputs, "computed": computed, "stats": stats, "copy_seconds": copy_seconds,
             "kv_bytes_per_block": engine.kv_bytes_per_block, "llm": llm}
 
 

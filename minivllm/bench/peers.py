@@ -38,7 +38,7 @@ from minivllm.models.loader import SMOLLM2, _atomic_folder, cache_dir, gguf_path
 __all__ = ["Peer", "PEERS", "COMPARE_PEERS", "PeerMissing", "PeerRun", "peers_dir", "export_hf_folder",
            "export_f32_gguf", "setup_commands", "setup_peer", "peer_installed", "leading_agreement",
            "agreement_line", "peer_settings", "peer_environ", "run_peer", "server_argv", "peer_server", "batch1_tpot",
-           "peer_table", "peers_main", "ALIASES"]
+           "peer_table", "peers_main", "ALIASES", "MEASURED", "measured_peers", "measured_peer_table"]
 
 DRIVERS = Path(__file__).resolve().parent / "peer_drivers"
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M in fp32: layers x (K, V) x KV heads x head dim x 4 bytes
@@ -71,7 +71,8 @@ PEERS = {
                      "import llama_cpp, llama_cpp.server.app; print(llama_cpp.__version__)", "llamacpp_offline.py",
                      build_env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}, nice=True),
 }
-COMPARE_PEERS = {"vllm-eager": ("vllm", "eager"), "vllm-compiled": ("vllm", "compiled"), "llamacpp": ("llamacpp", None)}
+COMPARE_PEERS = {"vllm-eager": ("vllm", "eager"), "vllm-compiled": ("vllm", "compiled"), "llamacpp": ("llamacpp", "F32"),
+                 "llamacpp-q4_1": ("llamacpp", "Q4_1")}  # llama.cpp on the F32 GGUF, and on the embedded Q4_1 file as it is
 ALIASES = {"vllm": ("vllm-eager", "vllm-compiled")}  # --compare vllm runs both modes
 
 
@@ -202,7 +203,10 @@ def peer_settings(key: str, workload: Workload, ncores: int | None = None) -> tu
         kv_gib = max(1, math.ceil(2 * total * KV_BYTES_PER_TOKEN / 2 ** 30))  # twice what all requests hold at once
         settings = dict(mode=mode, max_num_seqs=max(16, len(workload.prompts)), max_num_batched_tokens=2048,
                         max_model_len=max(256, 64 * math.ceil(longest / 64)))
-        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{ncores - 1}", "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
+        # every core, unless the user names vLLM's own binding (its default, "auto", keeps a core for its
+        # engine-core process: OMPProcessManager._get_autobind_cpu_ids in vllm/utils/ompmultiprocessing.py)
+        bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND") or f"0-{ncores - 1}"
+        env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)}
         return settings, env
     slots = min(256, len(workload.prompts))  # llama.cpp's LLAMA_MAX_SEQ is 256
     return dict(n_threads=ncores, n_batch=2048, n_ubatch=512, n_seq_max=slots,
@@ -226,7 +230,7 @@ def run_peer(key: str, workload: Workload, model: str = SMOLLM2, tpot_tokens: in
     :class:`PeerMissing` when it is not installed (or ``model`` is not the embedded one, the only model it has
     files for), ``RuntimeError`` with its log when its driver fails."""
     peer = _require(key, model)
-    files = str(export_f32_gguf() if key == "llamacpp" else export_hf_folder())
+    files = str(_files(key))
     settings, env = peer_settings(key, workload)
     job = {"model": files, "prompts": workload.prompts, "max_tokens": workload.max_tokens, "settings": settings,
            "tpot": {"prompt": workload.prompts[0], "tokens": tpot_tokens, "repeats": repeats}}
@@ -267,7 +271,7 @@ def server_argv(key: str, files: str, settings: dict, port: int) -> list[str]:
     """
     py = str(venv_python(PEERS[COMPARE_PEERS[key][0]]))
     s, where = settings, ["--host", "127.0.0.1", "--port", str(port)]
-    if key == "llamacpp":
+    if COMPARE_PEERS[key][0] == "llamacpp":
         return [py, "-m", "llama_cpp.server", "--model", files, *where, "--n_threads", str(s["n_threads"]),
                 "--n_threads_batch", str(s["n_threads"]), "--n_ctx", str(s["n_ctx"]), "--n_batch", str(s["n_batch"]),
                 "--n_ubatch", str(s["n_ubatch"]), "--type_k", "0", "--type_v", "0", "--flash_attn", "True",
@@ -283,16 +287,26 @@ def peer_server(key: str, workload: Workload, model: str = SMOLLM2, ncores: int 
     environment of :func:`peer_settings`); :class:`PeerMissing` as :func:`run_peer`. llama_cpp.server has no
     /health: it is ready when ``/v1/models`` answers (it loads the model before it listens)."""
     _require(key, model)
-    files = str(export_f32_gguf() if key == "llamacpp" else export_hf_folder())
+    files = str(_files(key))
     settings, env = peer_settings(key, workload, ncores)
     port = free_port()
     return ServerProcess(server_argv(key, files, settings, port), port, env,
-                         health="/v1/models" if key == "llamacpp" else "/health", base_env=peer_environ())
+                         health="/v1/models" if COMPARE_PEERS[key][0] == "llamacpp" else "/health",
+                         base_env=peer_environ())
+
+
+def _files(key: str) -> Path:
+    """What the peer ``key`` loads: the HF folder (vLLM), the F32 GGUF or the embedded Q4_1 GGUF (llama.cpp)."""
+    peer, mode = COMPARE_PEERS[key]
+    if peer == "vllm":
+        return export_hf_folder()
+    return gguf_path() if mode == "Q4_1" else export_f32_gguf()
 
 
 def _label(key: str, s: dict) -> str:
-    if key == "llamacpp":
-        return f"llama.cpp F32, {s['n_seq_max']} slots, {s['n_threads']} threads"
+    peer, mode = COMPARE_PEERS[key]
+    if peer == "llamacpp":
+        return f"llama.cpp {mode}, {s['n_seq_max']} slots, {s['n_threads']} threads"
     return f"vLLM {s['mode']}"
 
 
@@ -356,6 +370,46 @@ def peer_table(ours: BenchResult, our_tpot: float, runs: dict) -> str:
     for key, run in runs.items():
         lines.append(f"  {key} {run.version}: started in {run.startup_seconds:.0f} s; settings "
                      + ", ".join(f"{k}={v}" for k, v in run.settings.items()))
+    return "\n".join(lines)
+
+
+# -- The figures measured once, for readers without the peers (chapter 11) ------------------------------
+
+MEASURED = Path(__file__).resolve().parent / "peers_measured.json"
+_ROW_FIELDS = ("system", "settings", "tok_s", "minivllm_over_it", "batch1_tpot_ms", "prefill_s",
+               "decode_step_ms", "greedy")
+
+
+def measured_peers(path: Path = MEASURED) -> dict:
+    """The side-by-side table measured once (machine, date, load, commands, one row per system): data the
+    project replaces when it measures again, shown by chapter 11 wherever the peers are not installed."""
+    data = json.loads(Path(path).read_text())
+    for key in ("taken", "machine", "load", "workload", "commands", "rows"):
+        if not data.get(key):
+            raise ValueError(f"{path}: {key!r} is missing")
+    for row in data["rows"]:
+        missing = [f for f in _ROW_FIELDS if f not in row]
+        if missing:
+            raise ValueError(f"{path}: the row {row.get('system')!r} lacks {missing}")
+    return data
+
+
+def measured_peer_table(data: dict | None = None) -> str:
+    """:func:`measured_peers` as text: the rows, the median of each peer's round-by-round ratio, then when,
+    where and how the figures were taken."""
+    data = measured_peers() if data is None else data
+    lines = [f"{'system':<20} {'tok/s':>6} {'minivllm / it':>13} {'batch-1 TPOT':>12} {'prefill':>8} "
+             f"{'decode step':>11}  greedy"]
+    for r in data["rows"]:
+        rounds = r["minivllm_over_it"]
+        ratio = f"{sorted(rounds)[len(rounds) // 2]:.2f}x" if rounds else "-"
+        lines.append(f"{r['system']:<20} {r['tok_s']:6.1f} {ratio:>13} {r['batch1_tpot_ms']:10.1f}ms "
+                     f"{r['prefill_s']:7.2f}s {r['decode_step_ms']:9.1f}ms  {r['greedy']}")
+    lines += [f"  {r['system']}: {r['settings']}" for r in data["rows"]]
+    lines += [f"taken: {data['taken']}", f"machine: {data['machine']} ({data['load']})",
+              f"workload: {data['workload']}"] + [f"  $ {c}" for c in data["commands"]]
+    if data.get("note"):
+        lines.append(f"note: {data['note']}")
     return "\n".join(lines)
 
 

@@ -13,9 +13,8 @@ figures that are compared were measured minutes apart; each setting is
 repeated and reported as medians, with the machine's load average at the
 time. ``--plot`` draws throughput and p99 TTFT against rate.
 
-``--compile-attention`` and ``--compile-matvec`` give minivllm's server and
-offline engine its compiled paths (chapter 12), as a comparison with vLLM
-compiled should; off by default, as in the engine.
+``--kernels`` and ``--quantization`` give minivllm's server and offline
+engine another kernel table or the GGUF's weights as stored (chapter 18).
 
 ``--peers vllm,llamacpp`` (space or comma separated; default none) adds the
 real engines' own OpenAI servers to the same round robin, each from its
@@ -45,7 +44,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from minivllm.bench.cli import (add_chunked_prefill_flag, add_compile_flags, add_min_max, bench_parser,
+from minivllm.bench.cli import (add_chunked_prefill_flag, add_kernel_flags, kernel_options, add_min_max, bench_parser,
                                 check_token_budget, chunked_prefill_options, offline_env, positive_finite_float,
                                 positive_int, writable_file)
 from minivllm.bench.harness import run_engine
@@ -64,7 +63,6 @@ PEER_SYSTEMS = {"vllm-compiled": ("vllm serve (compiled)", "vllm"), "vllm-eager"
                 "llamacpp": ("llama_cpp.server", "llamacpp")}
 PEER_ALIASES = {"vllm": "vllm-compiled"}  # compiled was faster offline; it starts in about a minute
 
-COMPILE_FLAGS = ("compile_attention", "compile_matvec")  # minivllm's own compiled paths, off unless asked for
 FIGURES = ("output_throughput", "ttft_p50", "ttft_p99", "tpot_mean", "itl_p99", "e2e_p99", "goodput")
 
 
@@ -231,8 +229,7 @@ def _parser():
     add_min_max(p, "--output-len", default=(16, 64))
     p.add_argument("--max-num-seqs", type=positive_int, default=32, help="minivllm's server and offline engine")
     p.add_argument("--num-blocks", type=positive_int, default=1024, help="minivllm's KV pool, in blocks")
-    add_compile_flags(p, "minivllm's server and offline engine: ",
-                      "every batch bucket compiles before the port opens, and before timing offline")
+    add_kernel_flags(p, "minivllm's server and offline engine: ")
     add_chunked_prefill_flag(p, "minivllm's server and offline engine (with a small --max-num-batched-tokens it "
                                 "bounds how long a prefill stalls the decodes): ")
     p.add_argument("--transformers-flags", default="--cb-max-batch-tokens 2048",
@@ -302,7 +299,7 @@ def _offline_repeats(args, plan: dict, tok) -> list:
                                 max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                                 max_num_batched_tokens=args.max_num_batched_tokens,
                                 **({"device": args.device} if args.device else {}), **chunked_prefill_options(args.chunked_prefill),
-                                **{flag: True for flag in COMPILE_FLAGS if getattr(args, flag)})
+                                **kernel_options(args))
         runs.append((result.throughput, os.getloadavg()[0]))
         print(f"  repeat {repeat + 1} offline engine: {result.throughput:.1f} tok/s", flush=True)
     return runs
@@ -321,7 +318,7 @@ def serving_sweep_main(argv=None) -> int:
     engine = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs), "--num-blocks",
               str(args.num_blocks), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     engine += ["--device", args.device] if args.device else []
-    engine += [f"--{flag.replace('_', '-')}" for flag in COMPILE_FLAGS if getattr(args, flag)]
+    engine += [f"--{name}={value}" for name, value in kernel_options(args).items()]
     if args.chunked_prefill:
         engine += ["--enable-chunked-prefill", "--max-prefill-chunk-size", str(args.chunked_prefill)]
     slo = {"ttft": args.slo_ttft / 1e3, "tpot": args.slo_tpot / 1e3}

@@ -94,12 +94,9 @@ class ServingTrace:
 def warm_up(llm, seed: int = 12345) -> None:
     """One short untimed request whose tokens share no block with any workload (first forwards pay set-up costs).
 
-    With ``compile_attention`` on, every batch bucket up to ``max_num_seqs`` is compiled first (chapter 12).
-
     40 prompt tokens, fewer when the KV pool is squeezed smaller than that (chapter 10's preemption runs).
     """
     engine = llm.engine
-    engine.compile_decode_buckets()
     room = engine.stats().num_total_blocks * engine.config.block_size - 2
     (prompt,), _ = random_workload(llm.get_tokenizer(), 1, (max(1, min(40, room)),) * 2, (1, 1), seed)
     llm.generate([prompt], _exactly(2), use_tqdm=False)

@@ -116,10 +116,6 @@ class DisaggregatedEngine(LLMEngine):
         self.num_blocks = min(i["num_blocks"] for i in self.info.values())
         self._serving = True
 
-    def compile_decode_buckets(self) -> float:
-        """Nothing to compile here: the decode worker compiles its buckets before it reports ready; 0.0."""
-        return 0.0
-
     # -- worker processes ----------------------------------------------------------------------
     def _spawn(self, role: int) -> None:
         ctx = mp.get_context("spawn")

@@ -94,8 +94,6 @@ class Worker:
 
     def __init__(self, config: EngineConfig, conn, port: int, epoch: int, timeout: float, secret: bytes):
         self.engine = LLMEngine(self.engine_config(config))
-        if self.role == DECODE:  # compile_attention: every decode bucket compiles before this worker reports ready
-            self.engine.compile_decode_buckets()
         self.handoff = (resolve_function(config.kv_handoff_cls, "kv_handoff_cls") or KVHandoff)()
         self.conn, self.port, self.timeout, self.secret = conn, port, timeout, secret
         self.past = Counter()  # transfer counters of earlier epochs

@@ -333,7 +333,7 @@ def watch_parent(parent: int, name: str) -> None:
 def serve(config: EngineConfig, tp: TensorParallelGroup, control, device: torch.device) -> None:
     """A worker's life: load its shard, build its KV pool, run rank 0's steps until SHUTDOWN."""
     model = load_model_shard(config.model, tp, device, config.torch_dtype, config.pack_weights,
-                             resolve_function(config.shard_weight, "shard_weight"))
+                             resolve_function(config.shard_weight, "shard_weight"), config.kernels)
     sizes = torch.empty(2, dtype=torch.long)
     dist.broadcast(sizes, src=0, group=control)
     runner = ModelRunner(model, int(sizes[0]), config.block_size, int(sizes[1]), resolve(config.attention_backend))

@@ -19,6 +19,7 @@ from minivllm.exercises.chunked_prefill import check_chunked_prefill
 from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
 from minivllm.exercises.continuous_batching import check_scheduler
 from minivllm.exercises.disaggregation import check_kv_handoff
+from minivllm.exercises.kernels import build_kernels, check_kernels
 from minivllm.exercises.live import chat_prompts, check_live, drive, greedy, load_part
 from minivllm.exercises.kv_cache_memory import check_kv_bytes_per_token, check_paged_waste
 from minivllm.exercises.kv_offload import check_offload_tier
@@ -51,4 +52,5 @@ __all__ = [
     "check_shard_weight",  # 15 tensor parallelism
     "check_kv_handoff",  # 16 prefill/decode disaggregation
     "check_spec_acceptor",  # 17 speculative decoding
+    "build_kernels", "check_kernels",  # 18 kernels
 ]

@@ -51,8 +51,15 @@ def unwritten(part, methods: tuple[str, ...] = ()) -> list[str]:
     A class part: each of ``methods`` that ``part`` runs from a stub, or from
     minivllm (the class the notebook names declares it; minivllm's own
     implementation, inherited, is not the reader's either). A function part:
-    itself, while it is the exercise's stub.
+    itself, while it is the exercise's stub. A kernel table (exercise 18's C++
+    build): each inner loop still ``MINIVLLM_NOT_WRITTEN``.
     """
+    from minivllm.kernels.cpu import CpuKernels
+
+    if isinstance(part, CpuKernels):
+        from minivllm.exercises.kernels import unwritten_loops
+
+        return unwritten_loops(part)
     if not inspect.isclass(part):
         return [part.__name__] if is_stub(part) else []
     left = []

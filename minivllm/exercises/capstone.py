@@ -14,6 +14,7 @@ eagerly, as its exercise's check does.
 
 from __future__ import annotations
 
+from minivllm.config import default_device
 from minivllm.engine import LLM
 from minivllm.exercises._common import NOT_WRITTEN, unwritten
 from minivllm.exercises.live import PARTS_DIR, drive, greedy, load_part
@@ -49,7 +50,7 @@ def your_parts(parts: list[Part] = PARTS) -> dict[str, list]:
     """Every engine part the reader wrote that runs, by extension point; prints which chapter's part is used."""
     found: dict[str, list] = {}
     for part in (p for p in parts if p.extension):
-        path = PARTS_DIR / f"{part.module}.py"
+        path = PARTS_DIR / part.file
         problem = "missing (run exercise {} first)".format(part.chapter) if not path.exists() else None
         cls = None if problem else load_part(part.module, part.name)
         problem = problem or _probe(part, cls)
@@ -61,9 +62,13 @@ def your_parts(parts: list[Part] = PARTS) -> dict[str, list]:
 
 def your_options(found: dict[str, list]) -> dict:
     """EngineConfig options with the reader's parts: same-kind parts combined into one class (later chapters first),
-    minivllm's own class behind them for what no exercise of the reader's wrote."""
+    minivllm's own class behind them for what no exercise of the reader's wrote. The C++ kernels (18) run on the
+    CPU: an engine on a GPU keeps minivllm's there, and says so."""
     options = {}
     for extension, classes in found.items():
+        if extension == "kernels" and default_device().type != "cpu":
+            print(f"your kernels (18) run on the CPU: the engine on {default_device()} runs minivllm's own")
+            continue
         if len(classes) == 1:
             options[extension] = classes[0]
         else:

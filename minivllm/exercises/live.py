@@ -37,8 +37,12 @@ def load_part(module: str, name: str, parts_dir: Path = PARTS_DIR):
 
     A class part comes as the engine runs it (:func:`~minivllm.exercises._common.complete`): with minivllm's own
     behind it for the methods other exercises write, while each method of its own exercise is yours or raises
-    "not written yet".
+    "not written yet". A C++ part (``module`` a ``.cpp`` file, exercise 18) comes built: its kernel table.
     """
+    if module.endswith(".cpp"):
+        from minivllm.exercises.kernels import build_kernels  # the kernels' check imports this module
+
+        return build_kernels(Path(parts_dir) / module, quiet=True)
     path = Path(parts_dir) / f"{module}.py"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: run the %%writefile cell of that exercise first")

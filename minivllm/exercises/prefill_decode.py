@@ -55,7 +55,7 @@ def _record_forwards(model, fn, *args):
     forwards = []
 
     def record(_module, args):
-        forwards.append((args[3].tolist(), args[4]))
+        forwards.append((args[2].tolist(), args[3]))  # DecoderLayer.forward(x, residual, positions, kv, batch)
 
     hook = model.model.layers[0].register_forward_pre_hook(record)
     try:

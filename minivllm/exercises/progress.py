@@ -27,9 +27,9 @@ from minivllm.attention import MiniPagedKVCache
 from minivllm.block_manager import MiniBlockManager
 from minivllm.cuda_graphs import MiniDecodeGraphRunner
 from minivllm.detokenizer import MiniIncrementalDetokenizer
-from minivllm.exercises import (block_manager, continuous_batching, chunked_prefill, disaggregation, kv_offload,
-                                paged_attention, preemption, prefix_caching, sampling_streaming, serving, spec_decode,
-                                where_time_goes)
+from minivllm.exercises import (block_manager, continuous_batching, chunked_prefill, disaggregation, kernels,
+                                kv_offload, paged_attention, preemption, prefix_caching, sampling_streaming, serving,
+                                spec_decode, where_time_goes)
 from minivllm.exercises._common import NOT_WRITTEN, unwritten
 from minivllm.exercises.benchmarks import check_goodput, check_request_latencies
 from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
@@ -51,13 +51,18 @@ class Part:
     """One part the reader writes: where its exercise puts it, what checks it, where the engine takes it."""
 
     chapter: str
-    module: str  # your_engine/<module>.py
+    module: str  # your_engine/<module>.py, or the file itself where it is not Python (exercise 18's .cpp)
     name: str  # the function or class the notebook defines there
     check: Callable  # minivllm.exercises' check of it
     what: str
     extension: str | None = None  # the EngineConfig field an engine part plugs into (the capstone)
     methods: tuple[str, ...] = ()  # a class part: the methods its exercise asks for
     impl: type | None = None  # a class part: minivllm's own class, whose methods complete the reader's (load_part)
+
+    @property
+    def file(self) -> str:
+        """The part's file under ``your_engine/``."""
+        return self.module if Path(self.module).suffix else f"{self.module}.py"
 
 
 PARTS = [
@@ -95,6 +100,8 @@ PARTS = [
          "KV handoff: ownership and fingerprints", None, disaggregation.METHODS),
     Part("17", "spec_decode", "MySpecAcceptor", spec_decode.check_spec_acceptor,
          "speculative decoding: accept, rollback", "spec_acceptor_cls", spec_decode.METHODS, MiniSpecAcceptor),
+    Part("18", "kernels_inner.cpp", "kernels", kernels.check_kernels, "kernels: attention tile, Q4_1 dot (C++)",
+         "kernels"),
 ]
 
 
@@ -136,7 +143,7 @@ def part_status(part: Part, parts_dir: Path = PARTS_DIR, run_check: bool = True,
 
 
 def _part_status(part: Part, parts_dir: Path, run_check: bool, live: bool) -> tuple[str, str]:
-    path = Path(parts_dir) / f"{part.module}.py"
+    path = Path(parts_dir) / part.file
     if not path.exists():
         return "missing", f"{path} does not exist: run exercise {part.chapter}'s %%writefile cell"
     try:

@@ -17,6 +17,7 @@ load exactly the same weights from the same place.
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import json
@@ -30,8 +31,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
-from minivllm.config import default_device
-from minivllm.models.llama import LlamaForCausalLM, rope_inv_freq
+from minivllm.config import QUANTIZATIONS, cache_dir, default_device
+from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.parallel import ParallelLlamaForCausalLM, TensorParallelGroup, shard_slice
 
 SMOLLM2 = "smollm2-135m"
@@ -43,11 +44,6 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # What the forward reads from a config; a config.json that states all of it needs no architecture class (load_config).
 FORWARD_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                   "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
-
-
-def cache_dir() -> Path:
-    """``$MINIVLLM_CACHE``, or ``~/.cache/minivllm``."""
-    return Path(os.environ.get("MINIVLLM_CACHE", Path.home() / ".cache" / "minivllm"))
 
 
 def _atomic_folder(target: Path, build) -> Path:
@@ -168,32 +164,99 @@ def load_tokenizer(name: str = SMOLLM2):
 
 
 _checkpoints: dict[tuple, tuple] = {}  # (name, device, dtype) -> (config, weights, tokenizer), read once
-_models: dict[tuple, tuple] = {}  # (name, device, dtype, pack_weights) -> (model, tokenizer)
+_models: dict[tuple, tuple] = {}  # (name, device, dtype, pack_weights, kernels, quantization) -> (model, tokenizer);
+# kernels: the table's name, or the table itself when one was given (exercise 18's, kept for the latest table only)
 
 
 def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weights: bool = True,
-               compile_matvec: bool = False):
+               kernels="auto", quantization: str | None = None):
     """Load ``(model, tokenizer)``: minivllm's own forward with the checkpoint's weights.
 
     ``pack_weights`` prepacks the linear weights for oneDNN where that works,
-    fusing the q/k/v and gate/up projections (a float32 or bfloat16 model on the CPU; chapter 12), without changing what the model computes
-    beyond float32 rounding; ``compile_matvec`` then has one- and two-row
-    matmuls run a compiled kernel where it is faster
-    (:meth:`~minivllm.models.llama.LlamaForCausalLM.compile_matvec`). Models
-    are kept per (name, device, dtype, pack_weights, compile_matvec), and the
-    models of one checkpoint share its weight tensors, so a notebook that
-    builds several engines reads the weights once. Inference never changes them.
+    fusing the q/k/v and gate/up projections (a float32 or bfloat16 model on
+    the CPU; chapter 12), without changing what the model computes beyond
+    float32 rounding. ``kernels`` picks the kernel table the model runs
+    (:func:`minivllm.kernels.choose`: ``"auto"``, ``"reference"``, ``"cpu"``,
+    ``"triton"``, or a kernel table itself; chapter 18). ``quantization="gguf"`` (vLLM's name; the
+    embedded SmolLM2 only) also keeps the GGUF file's blocks, Q4_1 for the
+    layers and Q8_0 for the tied embedding, and multiplies decode rows through
+    them as stored (:meth:`~minivllm.models.llama.LlamaForCausalLM.use_gguf_weights`).
+    Models are kept per (name, device, dtype, pack_weights, kernels,
+    quantization), and the models of one checkpoint share its weight tensors,
+    so a notebook that builds several engines reads the weights once.
+    Inference never changes them. A table given itself keys its own models
+    (:func:`_table_key`), so two tables never share one.
     """
+    from minivllm.kernels import choose
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     key = (name, str(torch.device(device or default_device())), dtype)
-    if key not in _checkpoints:
-        _checkpoints[key] = _read_checkpoint(name, key[1], dtype)
-    if key + (pack_weights, compile_matvec) not in _models:
+    if quantization == "gguf" and (name != SMOLLM2 or key[1] != "cpu" or dtype != torch.float32):
+        raise ValueError(f"quantization='gguf' reads the embedded GGUF file in float32 on the CPU: model "
+                         f"{SMOLLM2!r}, device 'cpu', dtype float32, got {name!r}, {key[1]!r}, {dtype}")
+    kind, ops = choose(kernels, key[1], dtype)
+    full = key + (pack_weights, _table_key(kernels, kind, ops), quantization)
+    if full not in _models:
+        if key not in _checkpoints:
+            _checkpoints[key] = _read_checkpoint(name, key[1], dtype)
         config, weights, tokenizer = _checkpoints[key]
         model = _build(config, weights, pack_weights)
-        if compile_matvec:
-            model.compile_matvec()
-        _models[key + (pack_weights, compile_matvec)] = (model, tokenizer)
-    return _models[key + (pack_weights, compile_matvec)]
+        model.use_kernels(kind, ops)
+        if quantization == "gguf":
+            model.use_gguf_weights(gguf_blocks(config, key[1]))
+        _models[full] = (model, tokenizer)
+    return _models[full]
+
+
+def _table_key(kernels, kind: str, ops):
+    """What keys a model's kernel table in ``_models``: its name, or the table itself where one was given
+    (exercise 18's build of a reader's loops). Only the latest such table's models are kept: a reader rebuilds often,
+    and each model holds its own packed weights."""
+    if isinstance(kernels, str):
+        return kind
+    for old in [k for k in _models if not isinstance(k[4], str) and k[4] is not ops]:
+        del _models[old]
+    return ops
+
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+@functools.cache
+def gguf_tensors() -> dict:
+    """The embedded GGUF's tensors by name (``gguf.GGUFReader``'s, memory-mapped), parsed once a process: parsing
+    the file's metadata takes seconds, and every model with ``quantization="gguf"`` and exercise 18's check read
+    its blocks."""
+    from gguf import GGUFReader
+
+    return {t.name: t for t in GGUFReader(gguf_path()).tensors}
+
+
+def gguf_blocks(config, device="cpu") -> dict[str, tuple[str, torch.Tensor]]:
+    """The embedded GGUF's quantized tensors as stored, under HF's parameter names: ``{name: ("q4_1" or "q8_0",
+    uint8 [out_features, bytes])}`` (chapter 18). llama.cpp's converter permutes the query and key rows of each
+    head for its own rotary layout; the rows are put back in HF's order (transformers' ``reverse_permute``), whole
+    rows of blocks at a time, so the blocks dequantise to exactly the converted float32 weights."""
+    out = {}
+    for t in gguf_tensors().values():
+        kind = t.tensor_type.name.lower()
+        if kind not in ("q4_1", "q8_0"):
+            continue
+        rows = torch.from_numpy(t.data.copy())
+        if t.name == "token_embd.weight":
+            out["model.embed_tokens.weight"] = (kind, rows.to(device))
+            continue
+        _, layer, part, _ = t.name.split(".")
+        name = f"model.layers.{layer}.{GGUF_NAMES[part]}.weight"
+        heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}.get(part)
+        if heads:
+            half = rows.shape[0] // heads // 2
+            rows = rows.view(heads, half, 2, -1).transpose(1, 2).reshape(rows.shape)
+        out[name] = (kind, rows.contiguous().to(device))
+    return out
 
 
 def _read_checkpoint(name, device, dtype):
@@ -246,7 +309,7 @@ def _check_names(config, names) -> bool:
 
 
 def load_model_shard(name: str, tp: TensorParallelGroup, device=None, dtype=torch.float32, pack_weights: bool = True,
-                     shard_weight=None):
+                     shard_weight=None, kernels: str = "auto"):
     """Rank ``tp.rank``'s shard of the model (chapter 15), reading only its slices of the checkpoint.
 
     Safetensors files are memory-mapped and sliced before anything is copied,
@@ -270,7 +333,11 @@ def load_model_shard(name: str, tp: TensorParallelGroup, device=None, dtype=torc
                     weights[key] = shard_weight(key, st.get_tensor(key), tp.rank, tp.size, config).contiguous()
     tied = _check_names(config, weights)
     weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items() if not (tied and k == "lm_head.weight")}
-    return _build(config, weights, pack_weights, lambda c: ParallelLlamaForCausalLM(c, tp))
+    from minivllm.kernels import choose
+
+    model = _build(config, weights, pack_weights, lambda c: ParallelLlamaForCausalLM(c, tp))
+    model.use_kernels(*choose(kernels, device, dtype))
+    return model
 
 
 def read_slice(tensor_slice, dim, start, stop, padded) -> torch.Tensor:
@@ -294,8 +361,7 @@ def _build(config, weights: dict, pack_weights: bool, make=LlamaForCausalLM) -> 
     model.load_state_dict(weights, strict=False, assign=True)
     if getattr(config, "tie_word_embeddings", False):
         model.lm_head.weight = model.model.embed_tokens.weight
-    device = model.lm_head.weight.device
-    model.inv_freq = rope_inv_freq(config, model.head_dim)[0].to(device)  # built on the CPU (see rope_inv_freq)
-    model.eval()
+    model.model.rotary.build(model.lm_head.weight.device, model.lm_head.weight.dtype)
+    model.eval().requires_grad_(False)
     model.pack_weights(pack_weights)
     return model

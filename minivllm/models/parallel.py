@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.models.llama import Linear, LlamaForCausalLM, RMSNorm
+from minivllm.models.linear import Linear
+from minivllm.models.llama import LlamaForCausalLM, RMSNorm
 
 __all__ = [
     "TensorParallelGroup", "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelLMHead",

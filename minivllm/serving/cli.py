@@ -26,7 +26,7 @@ from typing import NoReturn
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from minivllm.config import DTYPE_CHOICES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from minivllm.config import DTYPE_CHOICES, KERNEL_TABLES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
 from minivllm.engine import LLMEngine, make_engine
 from minivllm.models import load_config
 from minivllm.sampling_params import SamplingParams
@@ -62,8 +62,10 @@ FIELD_HELP = {
     "enforce_eager": "never replay decode steps as CUDA graphs (graphs are on by default on cuda)",
     "seed": "seed of the sampler for requests without their own seed",
     "pack_weights": "prepack (and fuse) linear weights for oneDNN on the CPU (float32, bfloat16)",
-    "compile_matvec": "decode batches of one or two rows run compiled matrix-vector kernels and layers where that "
-                      "measures faster (the CPU, float32; compiles at startup)",
+    "kernels": f"kernel table under the model: {', '.join(KERNEL_TABLES)} (auto: C++ on the CPU in float32, Triton "
+               "on CUDA, where they build; else PyTorch's reference)",
+    "quantization": "gguf: decode rows read the embedded GGUF's Q4_1/Q8_0 blocks as stored (smollm2-135m, float32 "
+                    "on the CPU)",
     "scheduler_cls": "scheduler class, as a dotted name",
     "block_manager_cls": "block manager class, as a dotted name",
     "attention_backend": "paged KV cache class, as a dotted name",
@@ -78,7 +80,8 @@ FIELD_HELP = {
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (default: None, off)',
 }
-CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": DTYPE_CHOICES}
+CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": DTYPE_CHOICES,
+           "kernels": KERNEL_TABLES, "quantization": ("gguf",)}
 
 
 def json_object(text: str) -> dict:
@@ -172,14 +175,13 @@ def check_model(parser: argparse.ArgumentParser, name: str) -> None:
 
 
 def warm_up(engine: LLMEngine) -> LLMEngine:
-    """One short request before the port opens: the first forwards pay one-off set-up costs. With
-    ``compile_attention``, every decode batch bucket compiles first, so no request waits while one compiles.
+    """One short request before the port opens: the first forwards pay one-off set-up costs (the kernels' build,
+    the first time on a machine, happens as the engine loads).
 
     It is 16 prompt tokens and 2 generated, or less where the context, the KV
     pool or (without chunked prefill) the step's token budget is smaller, so
     every configuration the engine accepts can warm up.
     """
-    engine.compile_decode_buckets()
     c = engine.config
     room = min(18, engine.max_model_len, engine.num_blocks * c.block_size)
     if room < 2:

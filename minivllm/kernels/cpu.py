@@ -1,0 +1,222 @@
+"""The op table's C++ kernels for the CPU (chapter 18): ``csrc/`` built for this machine, called through ctypes.
+
+:class:`CpuKernels` over a built library is a kernel table: each method has its
+reference's signature (:mod:`minivllm.kernels.reference`). Python checks what
+only it can see (dtype, device, layout, shapes) and the C++ checks every
+index (slots, block ids, lengths, positions, token ids) before it touches
+memory: bad input is a ``ValueError`` naming the argument, never a crash. A
+call holds no Python lock while it runs (ctypes releases the GIL). Each table
+is its own library, so a reader's build of the inner loops (exercise 18) runs
+beside minivllm's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+
+import torch
+
+from minivllm.kernels.reference import Q4_1_BYTES, Q8_0_BYTES, QBLOCK
+
+MAX_ROWS = 8  # rows the few-rows matmuls take at once (csrc kMaxRows)
+NOT_WRITTEN = 2  # an op's status when its inner loop is exercise 18's stub (csrc kNotWritten): NotImplementedError
+
+
+def _named(fn):
+    """``fn`` under the profiler's ``record_function("minivllm::<op>")`` while a profile runs (a ctypes call is no
+    torch op, so the profiler would not see it otherwise); as it is, at no cost, when none runs."""
+    name = f"minivllm::{fn.__name__}"
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        if torch.autograd.profiler._is_profiler_enabled:
+            with torch.profiler.record_function(name):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return op
+
+
+def _tensor(t, name: str, dtype=torch.float32, dims: int | None = None) -> int:
+    """``t``'s address, once it is a contiguous CPU tensor of ``dtype`` (with ``dims`` dimensions)."""
+    try:
+        if t.dtype is dtype and t.is_cpu and t.is_contiguous() and (dims is None or t.dim() == dims):
+            return t.data_ptr()
+    except AttributeError:  # not a tensor at all
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}") from None
+    shape = f"{dims}-d " if dims is not None else ""
+    raise ValueError(f"{name} must be a contiguous {shape}{dtype} CPU tensor, got {tuple(t.shape)} {t.dtype} "
+                     f"on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
+
+
+def _rows(t, name: str, dims: int = 3) -> tuple[int, int]:
+    """A float32 CPU tensor whose last dims are contiguous (a view of a wider row is fine): (address, row stride)."""
+    try:
+        ok = t.dtype is torch.float32 and t.is_cpu and t.dim() == dims
+    except AttributeError:
+        ok = False
+    if not ok:
+        raise ValueError(f"{name} must be a {dims}-d float32 CPU tensor")
+    stride = t.stride()
+    if stride[-1] != 1 or stride[-2] != t.shape[-1]:
+        raise ValueError(f"{name}'s heads must be contiguous within a token, got strides {stride}")
+    return t.data_ptr(), stride[0]
+
+
+def _shape(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _few_rows(x, weight_rows: int, bias, in_features: int):
+    xp = _tensor(x, "x", dims=2)
+    _shape(1 <= x.shape[0] <= MAX_ROWS, f"x has {x.shape[0]} rows: the matvec kernels take 1 to {MAX_ROWS}")
+    _shape(x.shape[1] == in_features, f"x {tuple(x.shape)} must have the weight's {in_features} input features")
+    bp = None
+    if bias is not None:
+        bp = _tensor(bias, "bias", dims=1)
+        _shape(bias.shape[0] == weight_rows, f"bias {tuple(bias.shape)} must have {weight_rows} entries")
+    return xp, bp, torch.empty(x.shape[0], weight_rows)
+
+
+def _quantized(qweight, x, per_block: int) -> int:
+    wp = _tensor(qweight, "qweight", torch.uint8, 2)
+    _shape(x.shape[-1] % QBLOCK == 0 and qweight.shape[1] == x.shape[-1] // QBLOCK * per_block,
+           f"qweight {tuple(qweight.shape)} does not hold {x.shape[-1]} input features in blocks of {QBLOCK}")
+    return wp
+
+
+class CpuKernels:
+    """The kernel table of one built library (:func:`minivllm.kernels.build.load`), called ``name``."""
+
+    def __init__(self, lib: ctypes.CDLL, name: str = "cpu"):
+        self.lib, self.name = lib, name
+
+    def __repr__(self) -> str:
+        return f"CpuKernels({self.name!r})"
+
+    def not_written(self) -> list[str]:
+        """The inner loops still exercise 18's stub (``MINIVLLM_NOT_WRITTEN``): each op that calls one run once on
+        a tiny input, and the loops whose op says "not written yet" (none for minivllm's own build)."""
+        q, cache, one = torch.zeros(1, 1, 8), torch.zeros(4, 1, 8), torch.ones(1, dtype=torch.int32)
+        calls = {"attend_tile": lambda: self.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                                             one, torch.tensor([0, 1], dtype=torch.int32), 4),
+                 "q4_1_block_dot": lambda: self.q4_1_linear(torch.zeros(1, QBLOCK),
+                                                            torch.zeros(1, Q4_1_BYTES, dtype=torch.uint8))}
+        left = []
+        for loop, call in calls.items():
+            try:
+                call()
+            except NotImplementedError:
+                left.append(loop)
+        return left
+
+    def _check(self, status: int) -> None:
+        if status == NOT_WRITTEN:
+            raise NotImplementedError(self.lib.mv_last_error().decode())
+        if status:
+            raise ValueError(self.lib.mv_last_error().decode())
+
+    @_named
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        (kp, ks), (vp, vs) = _rows(k, "k"), _rows(v, "v")
+        kc, vc = _tensor(k_cache, "k_cache", dims=3), _tensor(v_cache, "v_cache", dims=3)
+        sp = _tensor(slot_mapping, "slot_mapping", torch.int64, 1)
+        T = k.shape[0]
+        _shape(v.shape == k.shape and k.shape[1:] == k_cache.shape[1:] and v_cache.shape == k_cache.shape,
+               f"k {tuple(k.shape)} and v {tuple(v.shape)} must be [T, kv_heads, dim] of the caches "
+               f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        _shape(slot_mapping.shape[0] == T, f"slot_mapping has {slot_mapping.shape[0]} slots for {T} tokens")
+        self._check(self.lib.mv_write_kv(kp, ks, vp, vs, kc, vc, sp, T, k.shape[1] * k.shape[2], k_cache.shape[0]))
+
+    @_named
+    def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, query_start, block_size: int) -> torch.Tensor:
+        qp, qs_ = _rows(q, "q")
+        kc, vc = _tensor(k_cache, "k_cache", dims=3), _tensor(v_cache, "v_cache", dims=3)
+        bt = _tensor(block_table, "block_table", torch.int32, 2)
+        sl = _tensor(seq_lens, "seq_lens", torch.int32, 1)
+        qs = _tensor(query_start, "query_start", torch.int32, 1)
+        T, H, D = q.shape
+        B = seq_lens.shape[0]
+        _shape(v_cache.shape == k_cache.shape and k_cache.shape[2] == D,
+               f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be [slots, kv_heads, {D}]")
+        _shape(block_table.shape[0] == B and query_start.shape[0] == B + 1,
+               f"block_table {tuple(block_table.shape)}, seq_lens ({B},) and query_start {tuple(query_start.shape)} "
+               f"must describe the same sequences")
+        _shape(isinstance(block_size, int) and block_size >= 1, f"block_size must be a positive int, got {block_size}")
+        out = torch.empty(q.shape)
+        self._check(self.lib.mv_paged_attention(out.data_ptr(), qp, qs_, kc, vc, bt, block_table.shape[1], sl, qs, B, T, H,
+                                       k_cache.shape[1], D, block_size, k_cache.shape[0] // block_size,
+                                       1.0 / math.sqrt(D), torch.get_num_threads()))
+        return out
+
+    @_named
+    def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
+        xp, wp = _tensor(x, "x", dims=2), _tensor(weight, "weight", dims=1)
+        _shape(weight.shape[0] == x.shape[1], f"weight {tuple(weight.shape)} must match x's rows {tuple(x.shape)}")
+        out = torch.empty_like(x)
+        self._check(self.lib.mv_rms_norm(out.data_ptr(), xp, wp, x.shape[0], x.shape[1], eps, torch.get_num_threads()))
+        return out
+
+    @_named
+    def fused_add_rms_norm(self, x, residual, weight, eps: float):
+        xp, rp, wp = _tensor(x, "x", dims=2), _tensor(residual, "residual", dims=2), _tensor(weight, "weight", dims=1)
+        _shape(residual.shape == x.shape and weight.shape[0] == x.shape[1],
+               f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and weight {tuple(weight.shape)} do not match")
+        self._check(self.lib.mv_fused_add_rms_norm(xp, rp, wp, x.shape[0], x.shape[1], eps, torch.get_num_threads()))
+        return x, residual
+
+    @_named
+    def rotary(self, q, k, positions, cos, sin) -> None:
+        (qp, qstride), (kp, kstride) = _rows(q, "q"), _rows(k, "k")
+        pp = _tensor(positions, "positions", torch.int64, 1)
+        cp, sp = _tensor(cos, "cos", dims=2), _tensor(sin, "sin", dims=2)
+        T, H, D = q.shape
+        _shape(k.shape[0] == T and k.shape[2] == D and positions.shape[0] == T and D % 2 == 0,
+               f"q {tuple(q.shape)}, k {tuple(k.shape)} and positions {tuple(positions.shape)} must share T and dim")
+        _shape(cos.shape == sin.shape and cos.shape[1] == D // 2,
+               f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [max_position, {D // 2}]")
+        self._check(self.lib.mv_rotary(qp, qstride, kp, kstride, pp, cp, sp, T, H, k.shape[1], D, cos.shape[0],
+                              torch.get_num_threads()))
+
+    @_named
+    def silu_and_mul(self, x) -> torch.Tensor:
+        xp = _tensor(x, "x", dims=2)
+        _shape(x.shape[1] % 2 == 0, f"x {tuple(x.shape)} must be [T, 2 * intermediate]")
+        out = torch.empty(x.shape[0], x.shape[1] // 2)
+        self._check(self.lib.mv_silu_and_mul(out.data_ptr(), xp, x.shape[0], x.shape[1] // 2, torch.get_num_threads()))
+        return out
+
+    @_named
+    def linear(self, x, weight, bias=None) -> torch.Tensor:
+        wp = _tensor(weight, "weight", dims=2)
+        xp, bp, out = _few_rows(x, weight.shape[0], bias, weight.shape[1])
+        self._check(self.lib.mv_linear_f32(out.data_ptr(), xp, wp, bp, x.shape[0], weight.shape[0], weight.shape[1],
+                                  torch.get_num_threads()))
+        return out
+
+    @_named
+    def q4_1_linear(self, x, qweight, bias=None) -> torch.Tensor:
+        wp = _quantized(qweight, x, Q4_1_BYTES)
+        xp, bp, out = _few_rows(x, qweight.shape[0], bias, x.shape[-1])
+        self._check(self.lib.mv_q4_1_linear(out.data_ptr(), xp, wp, bp, x.shape[0], qweight.shape[0], x.shape[1],
+                                   torch.get_num_threads()))
+        return out
+
+    @_named
+    def q8_0_linear(self, x, qweight, bias=None) -> torch.Tensor:
+        wp = _quantized(qweight, x, Q8_0_BYTES)
+        xp, bp, out = _few_rows(x, qweight.shape[0], bias, x.shape[-1])
+        self._check(self.lib.mv_q8_0_linear(out.data_ptr(), xp, wp, bp, x.shape[0], qweight.shape[0], x.shape[1],
+                                   torch.get_num_threads()))
+        return out
+
+    @_named
+    def q8_0_embedding(self, ids, table, width: int) -> torch.Tensor:
+        ip, tp = _tensor(ids, "ids", torch.int64, 1), _tensor(table, "table", torch.uint8, 2)
+        _shape(width % QBLOCK == 0 and table.shape[1] == width // QBLOCK * Q8_0_BYTES,
+               f"table {tuple(table.shape)} does not hold rows of {width} in Q8_0 blocks")
+        out = torch.empty(ids.shape[0], width)
+        self._check(self.lib.mv_q8_0_embedding(out.data_ptr(), ip, tp, ids.shape[0], table.shape[0], width))
+        return out

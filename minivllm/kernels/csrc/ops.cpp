@@ -1,0 +1,300 @@
+// minivllm's CPU kernels (chapter 18): the op table's native half, called through ctypes from kernels/cpu.py.
+//
+// Every op checks every shape and index it is given before it touches memory,
+// and returns nonzero with a message (mv_last_error) instead of reading or
+// writing out of bounds; Python raises it as a ValueError. Threads split the
+// independent outputs (rows, heads, output features), never a sum, so a
+// result does not depend on the thread count or on what else the machine runs.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+#include "inner.h"
+#include MINIVLLM_INNER  // the inner loops: inner.cpp, or a reader's (exercise 18)
+
+using namespace minivllm;
+
+namespace {
+
+thread_local char error_message[512];
+
+int fail(const char* fmt, long long a = 0, long long b = 0, long long c = 0) {
+  std::snprintf(error_message, sizeof error_message, fmt, a, b, c);
+  return 1;
+}
+
+int threads(int requested) { return requested > 0 ? requested : 1; }
+
+constexpr int kNotWritten = 2;  // an inner loop is exercise 18's stub: Python raises NotImplementedError
+
+int unwritten(const char* loop) {
+  std::snprintf(error_message, sizeof error_message, "not written yet: %s", loop);
+  return kNotWritten;
+}
+
+}  // namespace
+
+extern "C" {
+
+const char* mv_last_error() { return error_message; }
+
+// k, v [T, row] (token t at t * k_stride, t * v_stride) into k_cache, v_cache [num_slots, row] at slot_mapping[T];
+// slot -1 (a padding row) writes nothing.
+int mv_write_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride, float* k_cache, float* v_cache,
+                const int64_t* slots, int64_t T, int64_t row, int64_t num_slots) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < -1 || slots[t] >= num_slots)
+      return fail("slot_mapping[%lld] is %lld: a slot must be -1 (write nothing) or in [0, %lld)", t, slots[t],
+                  num_slots);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(k_cache + slots[t] * row, k + t * k_stride, row * sizeof(float));
+    std::memcpy(v_cache + slots[t] * row, v + t * v_stride, row * sizeof(float));
+  }
+  return 0;
+}
+
+// Every row of a step through the paged cache (chapter 18): sequence b owns the queries
+// query_start[b] .. query_start[b + 1] of q [T, H, D] (token t at t * q_stride), the last of its seq_lens[b]
+// tokens, and reads its keys through block_table[b] [width]. The caches are [num_blocks * block_size (+ more), KVH, D].
+int mv_paged_attention(float* out, const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                       const int32_t* block_table, int64_t width, const int32_t* seq_lens,
+                       const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
+                       int64_t block_size, int64_t num_blocks, float scale, int nthreads) {
+  if (KVH < 1 || H % KVH != 0) return fail("query heads (%lld) must be a multiple of KV heads (%lld)", H, KVH);
+  if (D < 1 || D > kMaxHeadDim) return fail("head_dim %lld: the kernel takes 1 to %lld", D, kMaxHeadDim);
+  if (H / KVH > kMaxTile) return fail("%lld query heads per KV head: the kernel takes at most %lld", H / KVH,
+                                      kMaxTile);
+  if (block_size < 1 || block_size > kMaxBlockSize) return fail("block_size %lld is not in [1, %lld]", block_size,
+                                                                kMaxBlockSize);
+  if (query_start[0] != 0) return fail("query_start[0] is %lld, not 0", query_start[0]);
+  if (query_start[B] != T) return fail("query_start[-1] is %lld, not the %lld query tokens", query_start[B], T);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = static_cast<int64_t>(query_start[b + 1]) - query_start[b];
+    if (n < 0) return fail("query_start decreases at sequence %lld", b);
+    if (n == 0) continue;
+    if (seq_lens[b] < n) return fail("seq_lens[%lld] is %lld, fewer than its %lld queries", b, seq_lens[b], n);
+    const int64_t blocks = (seq_lens[b] + block_size - 1) / block_size;
+    if (blocks > width) return fail("seq_lens[%lld] is %lld: more blocks than block_table's %lld columns", b,
+                                    seq_lens[b], width);
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int32_t id = block_table[b * width + j];
+      if (id < 0 || id >= num_blocks)
+        return fail("block_table[%lld] holds block %lld, outside the pool's %lld blocks", b * width + j, id,
+                    num_blocks);
+    }
+  }
+  const int64_t G = H / KVH;
+  const int64_t tile_rows = std::max<int64_t>(1, std::min<int64_t>(16, kMaxTile / G));
+  struct Task { int64_t b, head, first, rows; };
+  std::vector<Task> tasks;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t n = query_start[b + 1] - query_start[b];
+    for (int64_t first = 0; first < n; first += tile_rows)
+      for (int64_t g = 0; g < KVH; ++g) tasks.push_back({b, g, first, std::min(tile_rows, n - first)});
+  }
+  const int64_t count = static_cast<int64_t>(tasks.size());
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads(nthreads))
+  for (int64_t i = 0; i < count; ++i) {
+    const Task& task = tasks[i];
+    const int64_t n = query_start[task.b + 1] - query_start[task.b];
+    const int64_t token = query_start[task.b] + task.first;
+    int64_t pos[kMaxTile];
+    for (int64_t r = 0; r < task.rows; ++r) pos[r] = seq_lens[task.b] - n + task.first + r;
+    AttentionTile tile{q + token * q_stride + task.head * G * D, q_stride, pos, static_cast<int>(task.rows),
+                       static_cast<int>(G), k_cache + task.head * D, v_cache + task.head * D, KVH * D,
+                       block_table + task.b * width, static_cast<int>(block_size), static_cast<int>(D), scale,
+                       out + (token * H + task.head * G) * D, H * D};
+    attend_tile(tile);
+  }
+  return not_written.attend_tile ? unwritten("attend_tile") : 0;
+}
+
+// out [T, N] = RMSNorm(x [T, N]) * weight; out may be x.
+int mv_rms_norm(float* out, const float* x, const float* weight, int64_t T, int64_t N, float eps, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(threads(T > 8 ? nthreads : 1))
+  for (int64_t t = 0; t < T; ++t) {
+    const float* row = x + t * N;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < N; ++i) ss += row[i] * row[i];
+    const float inv = 1.0f / std::sqrt(ss / N + eps);
+    for (int64_t i = 0; i < N; ++i) out[t * N + i] = weight[i] * (row[i] * inv);
+  }
+  return 0;
+}
+
+// residual += x, then x = RMSNorm(residual) * weight: a decoder layer's residual add and its next norm in one pass.
+int mv_fused_add_rms_norm(float* x, float* residual, const float* weight, int64_t T, int64_t N, float eps,
+                          int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(threads(T > 8 ? nthreads : 1))
+  for (int64_t t = 0; t < T; ++t) {
+    float* r = residual + t * N;
+    float* row = x + t * N;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < N; ++i) {
+      r[i] += row[i];
+      ss += r[i] * r[i];
+    }
+    const float inv = 1.0f / std::sqrt(ss / N + eps);
+    for (int64_t i = 0; i < N; ++i) row[i] = weight[i] * (r[i] * inv);
+  }
+  return 0;
+}
+
+// Rotary embedding in place, by positions (rotate-half, as Llama): q [T, H, D] and k [T, KVH, D], rows strided by
+// q_stride and k_stride floats; cos and sin [max_position, D / 2].
+int mv_rotary(float* q, int64_t q_stride, float* k, int64_t k_stride, const int64_t* positions, const float* cos,
+              const float* sin, int64_t T, int64_t H, int64_t KVH, int64_t D, int64_t max_position, int nthreads) {
+  for (int64_t t = 0; t < T; ++t) {
+    if (positions[t] < 0 || positions[t] >= max_position)
+      return fail("positions[%lld] is %lld, outside the rotary table's [0, %lld)", t, positions[t], max_position);
+  }
+  const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) num_threads(threads(T > 8 ? nthreads : 1))
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos + positions[t] * half;
+    const float* s = sin + positions[t] * half;
+    for (int64_t h = 0; h < H + KVH; ++h) {
+      float* x = h < H ? q + t * q_stride + h * D : k + t * k_stride + (h - H) * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i] + x1 * s[i];
+      }
+    }
+  }
+  return 0;
+}
+
+// out [T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I].
+int mv_silu_and_mul(float* out, const float* x, int64_t T, int64_t I, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(threads(T * I > 16384 ? nthreads : 1))
+  for (int64_t t = 0; t < T; ++t) {
+    const float* gate = x + t * 2 * I;
+    const float* up = gate + I;
+    float* o = out + t * I;
+    int64_t i = 0;
+    for (; i + kLanes <= I; i += kLanes) {
+      const fvec g = load(gate + i);
+      store(o + i, g / (1.0f + exp_lanes(-g)) * load(up + i));
+    }
+    for (; i < I; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+  }
+  return 0;
+}
+
+}  // extern "C"
+
+namespace {
+
+// out [R, N] (+)= x [R, K] @ W^T for few rows, where `dot_block(n, kb, rows, acc)` adds weight row n's block kb of
+// `per_block` weights times every row of x to acc. Each thread takes a run of output features. R is a template
+// argument so the compiler keeps each row's partial sums in registers.
+template <int R, typename DotBlock>
+void few_rows_matvec(float* out, const float* bias, int64_t N, int64_t K, int per_block, int nthreads,
+                     DotBlock dot_block) {
+  constexpr int NB = R == 1 ? 4 : R == 2 ? 2 : 1;  // output features at once: independent sums, more loads in flight
+  const int64_t blocks = K / per_block, groups = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(threads(nthreads))
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t n0 = g * NB, nb = N - n0 < NB ? N - n0 : NB;
+    fvec acc[NB][R];
+    for (int i = 0; i < NB; ++i)
+      for (int r = 0; r < R; ++r) acc[i][r] = splat(0.0f);
+    if (nb == NB) {
+      for (int64_t kb = 0; kb < blocks; ++kb)
+        for (int i = 0; i < NB; ++i) dot_block(n0 + i, kb, R, acc[i]);
+    } else {
+      for (int64_t kb = 0; kb < blocks; ++kb)
+        for (int i = 0; i < nb; ++i) dot_block(n0 + i, kb, R, acc[i]);
+    }
+    for (int i = 0; i < nb; ++i)
+      for (int r = 0; r < R; ++r) out[r * N + n0 + i] = hsum(acc[i][r]) + (bias ? bias[n0 + i] : 0.0f);
+  }
+}
+
+template <typename DotBlock>
+void few_rows(float* out, const float* bias, int64_t R, int64_t N, int64_t K, int per_block, int nthreads,
+              DotBlock dot_block) {
+  switch (R) {
+    case 1: return few_rows_matvec<1>(out, bias, N, K, per_block, nthreads, dot_block);
+    case 2: return few_rows_matvec<2>(out, bias, N, K, per_block, nthreads, dot_block);
+    case 3: return few_rows_matvec<3>(out, bias, N, K, per_block, nthreads, dot_block);
+    case 4: return few_rows_matvec<4>(out, bias, N, K, per_block, nthreads, dot_block);
+    case 5: return few_rows_matvec<5>(out, bias, N, K, per_block, nthreads, dot_block);
+    case 6: return few_rows_matvec<6>(out, bias, N, K, per_block, nthreads, dot_block);
+    case 7: return few_rows_matvec<7>(out, bias, N, K, per_block, nthreads, dot_block);
+    default: return few_rows_matvec<8>(out, bias, N, K, per_block, nthreads, dot_block);
+  }
+}
+
+int check_rows(int64_t R) {
+  if (R < 1 || R > kMaxRows) return fail("the kernel takes 1 to %lld rows, got %lld", kMaxRows, R);
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// out [R, N] = x [R, K] @ weight [N, K]^T (+ bias): float32 weights streamed once for every row.
+int mv_linear_f32(float* out, const float* x, const float* weight, const float* bias, int64_t R, int64_t N, int64_t K,
+                  int nthreads) {
+  if (check_rows(R)) return 1;
+  if (K % kLanes != 0) return fail("in_features %lld: the kernel takes multiples of %lld", K, kLanes);
+  few_rows(out, bias, R, N, K, kLanes, nthreads, [&](int64_t n, int64_t kb, int rows, fvec* acc) {
+    const fvec w = load(weight + n * K + kb * kLanes);
+    for (int r = 0; r < rows; ++r) acc[r] += w * load(x + r * K + kb * kLanes);
+  });
+  return 0;
+}
+
+// out [R, N] = x [R, K] @ W^T (+ bias), W in the GGUF's Q4_1 blocks: [N, K / 32 blocks of 20 bytes].
+int mv_q4_1_linear(float* out, const float* x, const uint8_t* weight, const float* bias, int64_t R, int64_t N,
+                   int64_t K, int nthreads) {
+  if (check_rows(R)) return 1;
+  if (K % kBlockQ != 0) return fail("in_features %lld: Q4_1 rows are whole blocks of %lld", K, kBlockQ);
+  const int64_t row_bytes = K / kBlockQ * kQ4_1Bytes;
+  few_rows(out, bias, R, N, K, kBlockQ, nthreads, [&](int64_t n, int64_t kb, int rows, fvec* acc) {
+    q4_1_block_dot(weight + n * row_bytes + kb * kQ4_1Bytes, x + kb * kBlockQ, K, rows, acc);
+  });
+  return not_written.q4_1_block_dot ? unwritten("q4_1_block_dot") : 0;
+}
+
+// out [R, N] = x [R, K] @ W^T (+ bias), W in the GGUF's Q8_0 blocks: [N, K / 32 blocks of 34 bytes].
+int mv_q8_0_linear(float* out, const float* x, const uint8_t* weight, const float* bias, int64_t R, int64_t N,
+                   int64_t K, int nthreads) {
+  if (check_rows(R)) return 1;
+  if (K % kBlockQ != 0) return fail("in_features %lld: Q8_0 rows are whole blocks of %lld", K, kBlockQ);
+  const int64_t row_bytes = K / kBlockQ * kQ8_0Bytes;
+  few_rows(out, bias, R, N, K, kBlockQ, nthreads, [&](int64_t n, int64_t kb, int rows, fvec* acc) {
+    const uint8_t* block = weight + n * row_bytes + kb * kQ8_0Bytes;
+    const float d = half_to_float(read_u16(block));
+    for (int c = 0; c < kBlockQ; c += kLanes) {
+      const fvec w = to_float(load_signed_bytes(block + 2 + c)) * d;
+      for (int r = 0; r < rows; ++r) acc[r] += w * load(x + r * K + kb * kBlockQ + c);
+    }
+  });
+  return 0;
+}
+
+// out [T, K] = the rows ids[T] of a Q8_0 table [V, K / 32 blocks], dequantised (the tied embedding as stored).
+int mv_q8_0_embedding(float* out, const int64_t* ids, const uint8_t* table, int64_t T, int64_t V, int64_t K) {
+  if (K % kBlockQ != 0) return fail("embedding width %lld: Q8_0 rows are whole blocks of %lld", K, kBlockQ);
+  for (int64_t t = 0; t < T; ++t)
+    if (ids[t] < 0 || ids[t] >= V) return fail("ids[%lld] is %lld, outside the vocabulary's [0, %lld)", t, ids[t], V);
+  const int64_t row_bytes = K / kBlockQ * kQ8_0Bytes;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t kb = 0; kb < K / kBlockQ; ++kb) {
+      const uint8_t* block = table + ids[t] * row_bytes + kb * kQ8_0Bytes;
+      const float d = half_to_float(read_u16(block));
+      for (int j = 0; j < kBlockQ; ++j) out[t * K + kb * kBlockQ + j] = static_cast<int8_t>(block[2 + j]) * d;
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"

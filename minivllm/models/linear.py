@@ -1,0 +1,222 @@
+"""How a Llama-family model's weights are laid out for the kernels that multiply them (chapters 12, 18).
+
+A decode step multiplies a few rows by every weight, bound by streaming the
+weights from memory; a prefill multiplies many rows, bound by arithmetic.
+:class:`Linear` picks the kernel by the rows it is given, by a rule: the GGUF's
+blocks as stored (``quantization="gguf"``) for a few rows, the plain row-major
+weight for one to three, oneDNN's packed layout above. :class:`FusedMatmul`
+stacks the projections that read the same input into one matmul.
+:class:`WeightLayouts` is what the model does with them: pack, fuse, pin a
+split, take the GGUF's blocks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+PLAIN_MATMUL_MAX_ROWS = 3
+"""The most rows a packed float32 model multiplies through the plain row-major weight (chapter 12).
+
+One to three rows (a decode step of up to three sequences) make matrix-vector
+products, bound by streaming the weight from memory, where MKL's plain kernel
+(``F.linear``) outran oneDNN's blocked layout on every CPU the course measured
+(Intel Xeons with AVX-512 and AMX, an AMD EPYC Zen 5). It is a rule, the same
+on every machine, never a timing at load: which kernel multiplies a row decides
+its float32 rounding, so a stopwatch would make the same prompt give different
+logits from one run to the next. :meth:`LlamaForCausalLM.set_plain_rows` pins
+another split (0: oneDNN for every row count).
+"""
+
+QUANTIZED_MAX_ROWS = 8
+"""The most rows a model with the GGUF's weights (``quantization="gguf"``) multiplies through them as stored.
+
+A decode step of up to eight sequences reads each 4-bit block once for every
+row (``q4_1_linear``); more rows multiply the float32 copy through oneDNN's
+GEMM, which reuses each weight across many rows (chapter 18).
+"""
+
+
+def use_packed(x: torch.Tensor, plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS) -> bool:
+    """Whether ``x``'s rows go through the packed weight: more than ``plain_max_rows`` of them (in float32; a
+    bfloat16 model always multiplies through oneDNN's packed layout)."""
+    return x.shape[0] > plain_max_rows or x.dtype != torch.float32
+
+
+def multiply(m, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ m.weight.T + bias`` through the kernel the rules pick for ``x``'s rows (chapters 12, 18): the weights
+    as the GGUF stores them for up to :data:`QUANTIZED_MAX_ROWS` rows (where loaded), the plain weight up to
+    ``m.plain_max_rows``, else the packed weight (where there is one)."""
+    if m.qweight is not None and x.shape[0] <= QUANTIZED_MAX_ROWS:
+        return m.quantized_linear(x, m.qweight, bias)
+    if m.packed is not None and use_packed(x, m.plain_max_rows):
+        return torch.ops.mkldnn._linear_pointwise(x, m.packed, bias, "none", [], "")
+    return F.linear(x, m.weight, bias)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that can multiply through a prepacked oneDNN weight, or the GGUF's blocks (chapters 12, 18).
+
+    Decode steps multiply a few rows by every weight of the model, so they are
+    bound by how fast weights stream from memory; oneDNN's blocked weight
+    layout streams them faster than the plain row-major matmul at decode batch
+    sizes of four rows and more (up to ``plain_max_rows`` rows keep the plain
+    weight: :data:`PLAIN_MATMUL_MAX_ROWS`). :meth:`LlamaForCausalLM.pack_weights`
+    fills ``packed``; :meth:`LlamaForCausalLM.use_gguf_weights` fills ``qweight``
+    (and ``quantized_linear``, its kernel); ``weight`` stays the checkpoint's tensor.
+    """
+
+    packed: torch.Tensor | None = None
+    plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights (the rule) or set_plain_rows
+    qweight: torch.Tensor | None = None  # the GGUF's blocks, uint8 [out_features, blocks * bytes]
+    quantized_linear = None  # the op that reads them: q4_1_linear or q8_0_linear of the model's kernel table
+
+    def matmul(self, x):
+        """``x @ weight.T`` through the kernel :func:`multiply` picks for ``x``'s rows; no bias."""
+        return multiply(self, x, None)
+
+    def forward(self, x):
+        return multiply(self, x, self.bias)
+
+    def pack(self) -> None:
+        """Fill ``packed`` with oneDNN's layout of ``weight``."""
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 32)
+
+
+def mkldnn_bf16_supported() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (AMX or AVX-512 BF16); False where torch cannot say."""
+    return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+
+
+class FusedMatmul:
+    """Linears that read the same input as one packed matmul, their weights stacked (chapter 12).
+
+    ``q_proj``, ``k_proj`` and ``v_proj`` (and ``gate_proj`` with ``up_proj``)
+    multiply the same activations; one wider matmul streams the same weights
+    in one kernel call instead of three. Calling it returns the linears'
+    outputs side by side, ``[T, sum of out_features]``. The stacked weight is
+    kept twice: in oneDNN's packed layout, and row-major (``weight``) for
+    batches of at most ``plain_max_rows`` rows; and stacked as the GGUF stores
+    it (``qweight``) where the model reads those.
+    """
+
+    def __init__(self, *linears: Linear):
+        self.linears = linears
+        self.weight = torch.cat([m.weight.detach() for m in linears])
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 32)
+        biases = [m.bias for m in linears]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.plain_max_rows = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights (the rule) or set_plain_rows
+        self.stack_quantized()
+
+    def stack_quantized(self) -> None:
+        """Stack the linears' GGUF blocks where every one has them (:meth:`LlamaForCausalLM.use_gguf_weights`)."""
+        parts = [m.qweight for m in self.linears]
+        self.qweight = torch.cat(parts) if all(p is not None for p in parts) else None
+        self.quantized_linear = self.linears[0].quantized_linear
+
+    def __call__(self, x) -> torch.Tensor:
+        return multiply(self, x, self.bias)
+
+
+class WeightLayouts:
+    """The weight layouts of :class:`~minivllm.models.llama.LlamaForCausalLM` (a mixin: it reads
+    ``self.model.layers`` and ``self.lm_head``)."""
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    @torch.no_grad()
+    def use_gguf_weights(self, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
+        """Give each linear the GGUF's blocks of its weight (chapter 18): ``{parameter name: ("q4_1" or "q8_0",
+        uint8 [out_features, bytes])}``. Up to :data:`QUANTIZED_MAX_ROWS` rows then multiply through them;
+        ``weight`` stays the float32 weights they dequantise to, for prefill's GEMM."""
+        names = {m: name for name, m in self.named_modules()}
+        for m in self.linears():
+            name = names[m] + ".weight"
+            if name not in blocks and m is self.lm_head and getattr(self.config, "tie_word_embeddings", False):
+                name = "model.embed_tokens.weight"
+            if name in blocks:
+                kind, qweight = blocks[name]
+                m.qweight, m.quantized_linear = qweight, getattr(self.ops, f"{kind}_linear")
+        for m in self.packed_matmuls():
+            if isinstance(m, FusedMatmul):
+                m.stack_quantized()
+        self.quantization = "gguf"
+
+    @torch.no_grad()
+    def pack_weights(self, enabled: bool = True) -> bool:
+        """Prepack the linear weights for oneDNN (CPU, float32 or bfloat16); returns whether packing is on.
+
+        Each decoder layer's q/k/v and gate/up projections become one
+        :class:`FusedMatmul` each; ``o_proj``, ``down_proj`` and the LM head
+        get a packed copy. Falls back to plain ``F.linear`` wherever oneDNN is
+        missing or disagrees with it on a test input, so packing never changes
+        what the model computes beyond rounding. In bfloat16 (on a CPU with
+        AMX or AVX-512 BF16) the packed matmuls are about 1.7x the plain ones.
+        """
+        linears = self.linears()
+
+        def clear():
+            for m in linears:
+                m.packed = None
+            for layer in self.model.layers:
+                layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
+
+        clear()
+        w = self.lm_head.weight
+        if (not enabled or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
+                or not torch.backends.mkldnn.is_available()
+                or (w.dtype == torch.bfloat16 and not mkldnn_bf16_supported())):
+            return False
+        try:
+            self._pack()
+            if not self._packing_agrees():
+                raise RuntimeError("packed and plain matmul disagree")
+        except Exception:  # any build without a working oneDNN path: plain F.linear is always right
+            clear()
+            return False
+        self.set_plain_rows(PLAIN_MATMUL_MAX_ROWS if w.dtype == torch.float32 else 0)
+        return True
+
+    def set_plain_rows(self, rows: int) -> None:
+        """Multiply up to ``rows`` rows through the row-major weights, more through oneDNN's packed ones (chapter 12):
+        the rule is :data:`PLAIN_MATMUL_MAX_ROWS` in float32; pin another split here (tests run every one)."""
+        if not 0 <= rows <= PLAIN_MATMUL_MAX_ROWS:
+            raise ValueError(f"rows must be in 0..{PLAIN_MATMUL_MAX_ROWS}, got {rows}")
+        self.plain_max_rows = rows
+        for m in self.packed_matmuls():
+            m.plain_max_rows = rows
+
+    def _pack(self) -> None:
+        """Fuse each layer's q/k/v and gate/up into a packed :class:`FusedMatmul`; pack o, down and the LM head."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.fused_qkv = FusedMatmul(attn.q_proj, attn.k_proj, attn.v_proj)
+            mlp.fused_gate_up = FusedMatmul(mlp.gate_proj, mlp.up_proj)
+            for m in (attn.o_proj, mlp.down_proj):
+                m.pack()
+        self.lm_head.pack()
+
+    def packed_matmuls(self) -> list:
+        """Every packed matmul of a forward: each layer's fused q/k/v, o, fused gate/up and down, then the LM head."""
+        out = []
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            out += [attn.fused_qkv, attn.o_proj, mlp.fused_gate_up, mlp.down_proj]
+        return [m for m in out + [self.lm_head] if m is not None and m.packed is not None]
+
+    def layout_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every packed matmul as (row-major weight, oneDNN packed weight), in a forward's order (chapter 12)."""
+        return [(m.weight.detach(), m.packed) for m in self.packed_matmuls()]
+
+    def _packing_agrees(self) -> bool:
+        """The packed q/k/v (fused) and LM head against plain ``F.linear`` on a seeded probe."""
+        attn, w = self.model.layers[0].self_attn, self.lm_head.weight
+        probe = torch.randn(PLAIN_MATMUL_MAX_ROWS + 1, attn.q_proj.in_features,
+                            generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        plain_qkv = torch.cat([F.linear(probe, m.weight, m.bias) for m in (attn.q_proj, attn.k_proj, attn.v_proj)], -1)
+        pairs = [(attn.project_qkv(probe), plain_qkv), (self.lm_head(probe), F.linear(probe, w))]
+        tol = 1e-4 if w.dtype == torch.float32 else 2e-2
+        return all(torch.allclose(a, b, rtol=tol, atol=tol) for a, b in pairs)

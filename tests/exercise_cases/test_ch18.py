@@ -1,0 +1,150 @@
+"""Chapter 18: a reader's two inner loops in C++ (attend_tile, q4_1_block_dot), built with minivllm's ops.cpp.
+
+The right answer is the solution notebook's own cell; each wrong one is that
+cell with one slip, the way a reader would make it. Every variant is a real
+build (a few seconds each, then cached by its sources).
+"""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from minivllm.exercises import check_kernels
+from minivllm.kernels import build
+
+from exercise_cases import Check
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _solution() -> str:
+    """The C++ file the solution notebook writes (its %%writefile cell, markers and all)."""
+    for cell in json.loads((ROOT / "solutions" / "18_kernels.ipynb").read_text())["cells"]:
+        source = "".join(cell["source"])
+        if source.startswith("%%writefile your_engine/kernels_inner.cpp"):
+            return source.split("\n", 1)[1] + "\n"
+    raise AssertionError("solutions/18_kernels.ipynb writes no your_engine/kernels_inner.cpp")
+
+
+SOLUTION = _solution()
+
+
+class Source(os.PathLike):
+    """A variant of the solution's C++: the check builds it from a file written on first use."""
+
+    def __init__(self, name: str, *edits: tuple[str, str]):
+        self.__name__, self.text, self.path = name, SOLUTION, None
+        for old, new in edits:
+            assert old in self.text, f"{name}: the solution no longer has {old!r}"
+            self.text = self.text.replace(old, new)
+
+    def __fspath__(self) -> str:
+        if self.path is None:
+            self.path = Path(tempfile.mkdtemp()) / f"{self.__name__}.cpp"
+            self.path.write_text(self.text)
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"Source({self.__name__!r})"
+
+
+RESCALE = "        l *= rescale;  // (0 for the first block: m = -inf)\n"
+ACC_RESCALE = "        for (int d = 0; d < D; ++d) acc[d] *= rescale;\n"
+LOW = "    const float low = d * (qs[j] & 0x0F) + m;  // weight j\n"
+HIGH = "    const float high = d * (qs[j] >> 4) + m;   // weight j + 16\n"
+D_HALF = "  const float d = half_to_float(read_u16(block));\n"
+M_HALF = "  const float m = half_to_float(read_u16(block + 2));\n"
+LOOP = "      for (int64_t first = 0; first <= t.pos[r]; first += t.block_size) {"
+LEFT = "        const int64_t left = t.pos[r] - first + 1;"
+K_ROW = "          const float* k = t.k_cache + (block * t.block_size + j) * t.kv_stride;"
+V_ROW = "          const float* v = t.v_cache + (block * t.block_size + j) * t.kv_stride;"
+ACC_ADD = "      acc[r][j % kLanes] += low * xr[j] + high * xr[j + 16];"
+
+RIGHT = Source("solution")
+RIGHT_PER_KEY = Source(  # another right answer: the rescale after every key (more exps, the same softmax)
+    "rescale_per_key", (RESCALE, ""), (ACC_RESCALE, ""), ("        m = new_m;\n", ""),
+    ("          const float p = std::exp(s[j] - new_m);\n",
+     "          const float key_m = std::max(m, s[j]), c = std::exp(m - key_m);\n"
+     "          const float p = std::exp(s[j] - key_m);\n          l *= c;\n"
+     "          for (int d = 0; d < D; ++d) acc[d] *= c;\n          m = key_m;\n"))
+
+NO_RESCALE = Source("no_rescale", (RESCALE, ""), (ACC_RESCALE, ""))
+SUM_NOT_RESCALED = Source("sum_not_rescaled", (RESCALE, ""))
+TO_BLOCK_END = Source("to_block_end", (LEFT, "        const int64_t left = t.block_size;"))
+MASKED_READ = Source(  # reads the whole last block, weighting the keys after the row's position by 0
+    "masked_read", (LEFT, "        const int64_t left = t.block_size;"),
+    ("          s[j] = dot * t.scale;", "          s[j] = first + j <= t.pos[r] ? dot * t.scale : -INFINITY;"))
+WRONG_KV_HEAD = Source("wrong_kv_head", (K_ROW, K_ROW[:-1] + " + h * D;"), (V_ROW, V_ROW[:-1] + " + h * D;"))
+FIRST_HEADS_QUERY = Source("first_heads_query", ("      const float* q = t.q + r * t.q_row_stride + h * D;",
+                                                 "      const float* q = t.q + r * t.q_row_stride;"))
+TILE_LAST_ROW = Source("tile_last_row", (LOOP, LOOP.replace("t.pos[r]", "t.pos[t.rows - 1]")),
+                       (LEFT, LEFT.replace("t.pos[r]", "t.pos[t.rows - 1]")))
+MISSES_OWN_KEY = Source("misses_own_key", (LOOP, LOOP.replace("<=", "<")), (LEFT, LEFT.replace(" + 1;", ";")))
+NO_SCALE = Source("no_scale", ("          s[j] = dot * t.scale;", "          s[j] = dot;"))
+NOT_NORMALIZED = Source("not_normalized", ("out[d] = acc[d] / l;", "out[d] = acc[d];"))
+NO_BLOCK_TABLE = Source("no_block_table", ("        const int64_t block = t.table[first / t.block_size];",
+                                           "        const int64_t block = first / t.block_size;"))
+NAIVE_EXP = Source(  # exp of the raw score: no maximum subtracted, no rescale (fine until the scores are large)
+    "naive_exp", (RESCALE, ""), (ACC_RESCALE, ""),
+    ("          const float p = std::exp(s[j] - new_m);", "          const float p = std::exp(s[j]);"))
+NO_MIN = Source("no_min", (LOW, LOW.replace(" + m;", ";")), (HIGH, HIGH.replace(" + m;", ";")))
+SWAPPED_NIBBLES = Source("swapped_nibbles", (LOW, LOW.replace("(qs[j] & 0x0F)", "(qs[j] >> 4)")),
+                         (HIGH, HIGH.replace("(qs[j] >> 4)", "(qs[j] & 0x0F)")))
+NEIGHBOUR_NIBBLES = Source(  # byte j as weights 2j and 2j + 1
+    "neighbour_nibbles", (ACC_ADD, "      acc[r][j % kLanes] += low * xr[2 * j] + high * xr[2 * j + 1];"))
+SCALE_AS_BF16 = Source("scale_as_bf16", (D_HALF, "  const uint32_t bits = uint32_t(read_u16(block)) << 16;\n"
+                                                 "  float d;\n  std::memcpy(&d, &bits, 4);\n"))
+SCALE_AS_INT = Source("scale_as_int", (D_HALF, "  const float d = read_u16(block);\n"))
+SCALE_AS_FLOAT = Source("scale_as_float", (D_HALF, "  float d;\n  std::memcpy(&d, block, 4);\n"))
+MIN_AS_BF16 = Source("min_as_bf16", (M_HALF, "  const uint32_t mbits = uint32_t(read_u16(block + 2)) << 16;\n"
+                                             "  float m;\n  std::memcpy(&m, &mbits, 4);\n"))
+Q4_0_OFFSET = Source("q4_0_offset", (LOW, LOW.replace("(qs[j] & 0x0F)", "((qs[j] & 0x0F) - 8)")),
+                     (HIGH, HIGH.replace("(qs[j] >> 4)", "((qs[j] >> 4) - 8)")))
+X_STRIDE_32 = Source("x_stride_32", ("      const float* xr = x + r * x_stride;", "      const float* xr = x + r * 32;"))
+ASSIGNS_ACC = Source(  # the block's sum assigned to the lanes, not added: only the last block counts
+    "assigns_acc", ("  for (int j = 0; j < 16; ++j) {\n", "  float sums[kMaxRows] = {};\n  for (int j = 0; j < 16; ++j) {\n"),
+    (ACC_ADD, "      sums[r] += low * xr[j] + high * xr[j + 16];"),
+    ("  }\n  // END SOLUTION\n}\n\n}  // namespace",
+     "  }\n  for (int r = 0; r < rows; ++r) {\n    acc[r] = splat(0.0f);\n    acc[r][0] = sums[r];\n  }\n"
+     "  // END SOLUTION\n}\n\n}  // namespace"))
+
+NOT_BLOCK_END = "read to the end of its last block instead of its length"
+CHECKS = [Check("18", check_kernels, [RIGHT, RIGHT_PER_KEY], {
+    "the running sum not rescaled when the maximum grows": (NO_RESCALE, (
+        "maximum grows in every block", "running sum not rescaled when the maximum grows", r"exp\(m_old - m_new\)")),
+    "only the weighted values rescaled, not the sum": (SUM_NOT_RESCALED, "running sum not rescaled"),
+    "a row read to the end of its last block": (TO_BLOCK_END, ("length ends inside a block", NOT_BLOCK_END)),
+    "the slots past the length read and weighted by 0": (MASKED_READ, ("NaN in the slots after each length",
+                                                                       NOT_BLOCK_END, "0 \\* NaN")),
+    "the wrong KV head for a query head": (WRONG_KV_HEAD, ("grouped-query", "the wrong KV head for a query head")),
+    "every query head reads the first head's query": (FIRST_HEADS_QUERY, "uses the first head's query"),
+    "a chunk's rows seeing keys after their own position": (TILE_LAST_ROW, (
+        "a prefill chunk", "seeing keys after their own position")),
+    "each row misses its own key": (MISSES_OWN_KEY, "misses its own key"),
+    "the scores not scaled": (NO_SCALE, r"multiply q \. k by t\.scale"),
+    "the weighted sum not divided by the running sum": (NOT_NORMALIZED, r"out = acc / l"),
+    "keys read without the block table": (NO_BLOCK_TABLE, "not found through the block table"),
+    "exp of the raw score": (NAIVE_EXP, ("large scores", "overflows float32")),
+    "Q4_1's min term forgotten": (NO_MIN, ("one block, one row", "min term forgotten")),
+    "nibble order swapped": (SWAPPED_NIBBLES, "nibble order swapped"),
+    "nibbles read as neighbours": (NEIGHBOUR_NIBBLES, "not 2j and 2j \\+ 1"),
+    "the fp16 scale read as bfloat16": (SCALE_AS_BF16, "fp16 scale read as bfloat16"),
+    "the fp16 scale read as an integer": (SCALE_AS_INT, "fp16 scale read as an integer"),
+    "the fp16 scale read as a 4-byte float": (SCALE_AS_FLOAT, "fp16 scale read as a 4-byte float"),
+    "the fp16 minimum read as bfloat16": (MIN_AS_BF16, "fp16 minimum read as bfloat16"),
+    "Q4_0's offset of 8": (Q4_0_OFFSET, "subtracting 8 is Q4_0's rule"),
+    "row r's inputs at x + 32 r": (X_STRIDE_32, ("rows at once", r"x_stride is the input width")),
+    "the block's sum assigned, not added": (ASSIGNS_ACC, "only the last block counts"),
+}, passes="with exactly minivllm's tokens")]
+
+if build.compiler() is None:  # every case is a C++ build
+    CHECKS[0].right, CHECKS[0].wrong = [], {}
+
+
+def test_the_right_answer_is_the_solution_notebooks_file():
+    assert "// BEGIN SOLUTION" in SOLUTION and "MINIVLLM_NOT_WRITTEN" not in SOLUTION
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler here: the table's variants cannot be built")
