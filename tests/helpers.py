@@ -1,5 +1,6 @@
 """Shared test workloads, oracles and process checks."""
 
+import json
 import random
 from pathlib import Path
 
@@ -71,3 +72,14 @@ def process_alive(pid: int) -> bool:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def write_parts(notebooks: Path, folder: Path) -> None:
+    """What running each notebook's ``%%writefile your_engine/...`` cells leaves in ``folder``."""
+    (folder / "your_engine").mkdir(parents=True, exist_ok=True)
+    for path in sorted(notebooks.glob("*.ipynb")):
+        for cell in json.loads(path.read_text())["cells"]:
+            source = "".join(cell["source"])
+            if cell["cell_type"] == "code" and source.startswith("%%writefile your_engine/"):
+                first, body = source.split("\n", 1)
+                (folder / first.split(" ", 1)[1]).write_text(body + "\n")

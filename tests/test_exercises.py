@@ -3,6 +3,7 @@
 import functools
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import write_parts
 from minivllm.exercises._common import NOT_WRITTEN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,10 +206,41 @@ def test_chapters_point_to_the_exercise_before_showing_its_answer(path):
             assert "hide-input" in cell["metadata"].get("tags", []), f"{chapter.name} cell {i}: collapse it"
 
 
-def test_an_unfilled_exercise_reads_as_skipped_not_passed(tmp_path):
-    """pytest --nbval on exercise 03 as generated: each cell that stops at a stub is skipped, naming the part."""
+def test_an_unwritten_part_stops_its_cell_with_one_line(tmp_path):
+    """In a kernel set up as an exercise's setup cell does, a stub's NotImplementedError is one error line with its
+    message (what a rendered page shows, what nbval and exercises/conftest.py read); other errors keep their
+    traceback."""
+    nbclient, nbformat = pytest.importorskip("nbclient"), pytest.importorskip("nbformat")
+    cells = ["from minivllm.exercises.notebook import one_line_for_unwritten_parts\none_line_for_unwritten_parts()",
+             'def f():\n    raise NotImplementedError("not written yet: My.f")\nf()',
+             'def g():\n    raise NotImplementedError("a real one")\ng()']
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c, metadata={"tags": ["raises-exception"]})
+                                         for c in cells])
+    nbclient.NotebookClient(nb, timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    stub, real = (c.outputs for c in nb.cells[1:])
+    assert [(o.output_type, o.ename, o.evalue, o.traceback) for o in stub] == [
+        ("error", "NotImplementedError", "not written yet: My.f", ["NotImplementedError: not written yet: My.f"])]
+    assert len(real) == 1 and real[0].evalue == "a real one" and len(real[0].traceback) > 1
+    assert "g()" in re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(real[0].traceback))  # ANSI colours out
+
+
+def _solved_parts(folder: Path) -> dict[str, bytes]:
+    """A reader's ``your_engine/`` in ``folder`` with every part written (the solutions'), as its files' bytes."""
+    write_parts(ROOT / "solutions", folder)
+    return _files(folder / "your_engine")
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_an_unfilled_exercise_reads_as_skipped_and_leaves_the_readers_parts_alone(tmp_path):
+    """pytest --nbval on exercise 03 as generated, as the test command runs it, next to a reader's your_engine/ with
+    every part written: each cell that stops at a stub is skipped, naming the part (the notebook checked the stub it
+    wrote, in a throwaway folder of its own: exercises/conftest.py), and the reader's parts are untouched."""
     for name in ("03_kv_cache_memory.ipynb", "conftest.py"):
         shutil.copy(ROOT / "exercises" / name, tmp_path)
+    parts = _solved_parts(tmp_path)
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--nbval",
                              "--nbval-current-env", "03_kv_cache_memory.ipynb"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=600)
@@ -216,3 +249,28 @@ def test_an_unfilled_exercise_reads_as_skipped_not_passed(tmp_path):
     assert re.search(r"\d+ passed, 4 skipped", summary), result.stdout  # the 4 cells that call a stub
     assert result.stdout.count("not written yet: kv_bytes_per_token") == 2  # its check and the cell that uses it
     assert result.stdout.count("not written yet: paged_waste") == 2
+    assert _files(tmp_path / "your_engine") == parts
+
+
+def test_building_the_book_leaves_the_readers_parts_alone(tmp_path):
+    """jupyter-book build with the book's _config.yml, on exercise 03 next to a reader's your_engine/ with every part
+    written: the page shows each unwritten part as one line, no traceback (it ran the stub, in a temporary folder:
+    run_in_temp), and the reader's parts are untouched."""
+    jupyter_book = shutil.which("jupyter-book")
+    if jupyter_book is None:
+        pytest.skip("jupyter-book is not installed")
+    for name in ("_config.yml", "references.bib"):
+        shutil.copy(ROOT / name, tmp_path)
+    (tmp_path / "_toc.yml").write_text("format: jb-book\nroot: exercises/03_kv_cache_memory\n")
+    (tmp_path / "exercises").mkdir()
+    shutil.copy(ROOT / "exercises" / "03_kv_cache_memory.ipynb", tmp_path / "exercises")
+    parts = _solved_parts(tmp_path / "exercises")
+    result = subprocess.run([jupyter_book, "build", str(tmp_path)], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _files(tmp_path / "exercises" / "your_engine") == parts
+    html = (tmp_path / "_build" / "html" / "exercises" / "03_kv_cache_memory.html").read_text()
+    page = re.sub(r"<[^>]+>", "", html)  # the text a reader sees (the outputs are syntax-highlighted)
+    for part in ("kv_bytes_per_token", "paged_waste"):
+        assert page.count(f"NotImplementedError: not written yet: {part}") == 2, part
+    assert "Traceback" not in page and str(tmp_path) not in page

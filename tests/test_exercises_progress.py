@@ -9,20 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from helpers import write_parts
 from minivllm.exercises.progress import PARTS, status
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def write_parts(notebooks: Path, folder: Path) -> None:
-    """What running each notebook's ``%%writefile your_engine/...`` cells leaves in ``folder``."""
-    (folder / "your_engine").mkdir(parents=True, exist_ok=True)
-    for path in sorted(notebooks.glob("*.ipynb")):
-        for cell in json.loads(path.read_text())["cells"]:
-            source = "".join(cell["source"])
-            if cell["cell_type"] == "code" and source.startswith("%%writefile your_engine/"):
-                first, body = source.split("\n", 1)
-                (folder / first.split(" ", 1)[1]).write_text(body + "\n")
 
 
 def run_status(folder: Path, *args: str) -> subprocess.CompletedProcess:
