@@ -3,7 +3,8 @@
 ``LLMEngine.step()`` is one turn of continuous batching: schedule, run one
 forward, sample, update, and return a ``RequestOutput`` for every request that
 produced a token (with the new text, detokenized incrementally). ``LLM`` wraps
-it for offline use: ``generate`` a list of prompts, or ``stream`` one.
+it for offline use: ``generate`` a list of prompts, ``chat`` (conversations through the
+model's chat template), or ``stream`` one.
 
 Reliability rules the engine keeps:
 
@@ -44,6 +45,7 @@ from minivllm.sampler import SamplerOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence, SequenceStatus
+from minivllm.simple_generation import chat_prompt_ids
 from minivllm.timing import PhaseClock
 
 __all__ = ["LLMEngine", "LLM", "make_engine"]
@@ -601,6 +603,40 @@ class LLM:
         finally:
             self._abort(ids)
         return [done[rid] for rid in ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False) -> list[RequestOutput]:
+        """Reply to one conversation or a list of them, as vLLM's ``LLM.chat`` (chapter 00's first example).
+
+        A conversation is a list of ``{"role": ..., "content": ...}`` messages, rendered with the model's chat
+        template (or ``chat_template``) and tokenized as :func:`~minivllm.simple_generation.chat_prompt_ids`
+        does; then :meth:`generate`. ``continue_final_message`` goes on with the last message instead of starting
+        the assistant's reply (and needs ``add_generation_prompt=False``).
+        """
+        check(isinstance(messages, (list, tuple)) and len(messages) > 0, "messages",
+              "a conversation (a non-empty list of {'role': ..., 'content': ...} dicts) or a list of them", messages)
+        conversations = list(messages) if all(isinstance(c, (list, tuple)) for c in messages) else [messages]
+        for i, conversation in enumerate(conversations):
+            name = "messages" if conversations[0] is messages else f"messages[{i}]"
+            check(len(conversation) > 0, name, "a non-empty list of messages", conversation)
+            for j, m in enumerate(conversation):
+                check(isinstance(m, dict) and is_text(m.get("role")) and is_text(m.get("content")), f"{name}[{j}]",
+                      "a dict with a 'role' and a 'content' string", m)
+        check(not (add_generation_prompt and continue_final_message), "continue_final_message",
+              "False when add_generation_prompt is True (vLLM's rule)", continue_final_message)
+        check(chat_template is None or is_text(chat_template), "chat_template", "None or a Jinja template string",
+              chat_template)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts.append(chat_prompt_ids(tokenizer, conversation, chat_template=chat_template,
+                                               add_generation_prompt=add_generation_prompt,
+                                               continue_final_message=continue_final_message))
+            except Exception as e:  # a template that refuses these messages (jinja's raise_exception), as the server
+                raise ValueError(f"messages cannot be rendered with the chat template: {e}") from None
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield the text of one prompt's completion as it is produced (sample 0 when ``n > 1``).

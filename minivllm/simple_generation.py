@@ -41,14 +41,21 @@ class GenerationResult:
         return (self.e2e_s - self.ttft_s) / (n - 1) if n > 1 else math.nan
 
 
-def chat_prompt_ids(tokenizer, message: str, system: str | None = None) -> list[int]:
-    """Token ids of a one-turn chat prompt ending where the assistant's reply starts.
+def chat_prompt_ids(tokenizer, message, system: str | None = None, *, chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[int]:
+    """Token ids of a chat prompt ending where the assistant's reply starts (chapter 01; ``LLM.chat``, chapter 07).
 
-    Renders the chat template to text and tokenizes it, which gives the same ids
-    on transformers 4 (where ``apply_chat_template`` returns a list) and 5 (a dict).
+    ``message`` is one user message (after ``system``, if given) or a whole conversation, a list of
+    ``{"role": ..., "content": ...}`` dicts. Renders the chat template to text and tokenizes it, which gives the
+    same ids on transformers 4 (where ``apply_chat_template`` returns a list) and 5 (a dict).
     """
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    turns = list(message) if isinstance(message, (list, tuple)) else [{"role": "user", "content": message}]
+    messages = ([{"role": "system", "content": system}] if system else []) + turns
+    options = {"chat_template": chat_template} if chat_template is not None else {}
+    if continue_final_message:  # vLLM's option: the last (assistant) message goes on instead of a new one starting
+        options["continue_final_message"] = True
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                         **options)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -161,3 +161,49 @@ def test_generate_accepts_strings_and_ids_in_order(llm):
     tok = llm.get_tokenizer()
     outs = llm.generate(["a b c", tok("x y")["input_ids"]], greedy(3), use_tqdm=False)
     assert outs[0].prompt == "a b c" and outs[1].prompt_token_ids == tok("x y")["input_ids"]
+
+
+def test_chat_renders_each_conversation_with_the_chat_template(llm):
+    """LLM.chat, as vLLM's: one conversation or a list of them, each rendered by the model's chat template up to
+    where the assistant's reply starts, then generated as those token ids."""
+    tok = llm.get_tokenizer()
+    question = [{"role": "user", "content": "What is 2 + 2?"}]
+    brief = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    outs = llm.chat([question, brief], greedy(5), use_tqdm=False)
+    for out, conversation in zip(outs, (question, brief)):
+        text = tok.decode(out.prompt_token_ids)
+        assert all(m["content"] in text for m in conversation) and text.endswith("<|im_start|>assistant\n"), text
+    want = llm.generate([out.prompt_token_ids for out in outs], greedy(5), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [w.outputs[0].token_ids for w in want]
+    (one,) = llm.chat(question, greedy(5), use_tqdm=False)  # one conversation alone
+    assert one.prompt_token_ids == outs[0].prompt_token_ids
+    (more,) = llm.chat(question + [{"role": "assistant", "content": "The answer is"}], greedy(2), use_tqdm=False,
+                       add_generation_prompt=False, continue_final_message=True)
+    assert tok.decode(more.prompt_token_ids).endswith("The answer is")  # the reply goes on from there
+
+
+@pytest.mark.parametrize("messages,kwargs,match", [
+    ("Hi!", {}, "messages must be a conversation"),
+    ([], {}, "messages must be a conversation"),
+    ([{"role": "user"}], {}, r"messages\[0\] must be a dict with a 'role' and a 'content'"),
+    ([[{"role": "user", "content": "a"}], []], {}, r"messages\[1\] must be a non-empty list"),
+    ([[{"role": "user", "content": "a"}], [{"role": "user", "content": "\ud800"}]], {}, r"messages\[1\]\[0\]"),
+    ([{"role": "user", "content": "a"}], dict(continue_final_message=True), "continue_final_message"),
+    ([{"role": "user", "content": "a"}], dict(chat_template=3), "chat_template"),
+])
+def test_chat_refuses_bad_messages_naming_them_before_queueing_anything(llm, messages, kwargs, match):
+    before = _snapshot(llm.engine)
+    with pytest.raises(ValueError, match=match):
+        llm.chat(messages, greedy(2), use_tqdm=False, **kwargs)
+    assert _snapshot(llm.engine) == before
+
+
+def test_the_readmes_first_example_prints_a_sensible_answer(capsys):
+    """The first Python block of the README (a chat with the embedded SmolLM2) runs and answers its question."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    code = re.search(r"## Use the engine\n.*?```python\n(.*?)```", readme, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})
+    assert "Paris" in capsys.readouterr().out
