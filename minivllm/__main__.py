@@ -10,6 +10,7 @@ offline workload through HF transformers too, and prints vLLM-style metrics
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -20,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.bench import (WORKLOADS, speculative_main, check_workload_sizes, format_results, make_workload, measure_machine,
+from minivllm.bench import (WORKLOAD_PURPOSES, WORKLOADS, speculative_main, check_workload_sizes, format_results, make_workload, measure_machine,
                             roofline, run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
                             run_static, same_outputs, step_breakdown)
 from minivllm.bench.cli import (add_chunked_prefill_flag, add_kernel_flags, kernel_options, add_min_max, block_size_int,
@@ -350,6 +351,22 @@ def _speculative_argv(args) -> list[str]:
     return argv
 
 
+def _workloads_help() -> str:
+    """``bench --help``'s list of the workloads: what each measures, and its default sizes as the flags that change
+    them (read from the workload's own signature)."""
+    lines = ["workloads (--workload), with their default sizes: the flags below size a run down"]
+    for name, make in WORKLOADS.items():
+        sizes = [f"--{p.name.replace('_', '-')} " + " ".join(map(str, p.default if isinstance(p.default, tuple)
+                                                                  else [p.default]))
+                 for p in inspect.signature(make).parameters.values() if p.name in SIZE_FLAGS]
+        lines += [f"  {name:16} {WORKLOAD_PURPOSES[name]}", f"  {'':16} {', '.join(sizes) or f'fixed sizes here (python -m minivllm.bench {name} --help)'}"]
+    lines += [f"  {'speculative':16} prompt lookup off and on, on repetitive and open chat prompts (chapter 17)",
+              f"  {'':16} --num-requests N (one batch size; default 1, 4 and 16), --output-len MIN MAX (MAX tokens; 64)",
+              "A short run: --num-requests 4 --output-len 16 16 --compare none --no-roofline (no baselines, no "
+              "measuring the machine)."]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(prog="python -m minivllm", description=__doc__.split("\n\n")[0])
@@ -372,7 +389,8 @@ def main(argv=None) -> int:
 
     b = sub.add_parser("bench", help="run a benchmark workload and print the metrics",
                        description="Run a workload through minivllm (and, offline, through HF transformers) and "
-                                   "print throughput, TTFT/TPOT/ITL/E2E percentiles, KV use and the roofline.")
+                                   "print throughput, TTFT/TPOT/ITL/E2E percentiles, KV use and the roofline.",
+                       epilog=_workloads_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--workload", required=True, choices=sorted([*WORKLOADS, "speculative"]))
     b.add_argument("--json", metavar="FILE", type=writable_file, help="also write every figure to FILE as JSON")
     b.add_argument("--model", default="smollm2-135m")

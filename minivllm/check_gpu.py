@@ -309,8 +309,11 @@ def main(argv=None) -> int:
     unknown = set(parts) - set(PARTS)
     if unknown:
         parser.error(f"--parts must be among {PARTS}, got {sorted(unknown)}")
-    if not torch.cuda.is_available():
-        print("check_gpu: no CUDA GPU on this machine, nothing to check (run it on a GPU).")
+    if not torch.cuda.is_available():  # the report says so too: an empty or stale file would read as a result
+        report = {"gpu": None, "torch": torch.__version__, "parts": {},
+                  "skipped": "no CUDA GPU on this machine: nothing was checked (run it on a GPU)"}
+        Path(args.out).write_text(json.dumps(report, indent=2))
+        print(f"check_gpu: {report['skipped']}; report: {args.out}")
         return 0
     runs = {"hf_fp32": lambda: compare_hf(args.model, "float32"), "hf_bf16": lambda: compare_hf(args.model, "auto"),
             "hf_fp16": lambda: compare_hf(args.model, "float16"), "padding": lambda: check_padding(args.model),

@@ -177,6 +177,26 @@ def test_help_still_lists_every_experiment(capsys):
         assert e.value.code == 0 and f"python -m minivllm.bench {name}" in capsys.readouterr().out
 
 
+def test_bench_help_and_the_readme_describe_every_workload_and_how_to_size_it_down(capsys):
+    """bench --help lists each workload with what it measures and its default sizes as flags; the README names
+    every workload and the flags that size a run down."""
+    from pathlib import Path
+
+    from minivllm.bench import WORKLOAD_PURPOSES, WORKLOADS
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    names = [*WORKLOADS, "speculative"]
+    assert all(f"  {name} " in text for name in names) and set(WORKLOAD_PURPOSES) == set(WORKLOADS)
+    assert all(WORKLOAD_PURPOSES[name] in text for name in WORKLOADS)
+    assert "--num-requests 32, --prompt-len 16 256, --output-len 64 64" in text  # offline's defaults
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert [name for name in names if f"`{name}`" not in readme] == []
+    assert all(flag in readme for flag in ("--num-requests", "--prompt-len", "--output-len", "--rate"))
+
+
 # -- the same checks in the library: make_workload and the arrival builders --------------------------------
 
 WORKLOAD_CASES = [  # (workload, sizes, words of the ValueError)

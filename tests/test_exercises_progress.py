@@ -1,6 +1,7 @@
 """``python -m minivllm.exercises status``: every part unwritten on a fresh checkout, all passing with the solutions."""
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from helpers import write_parts
-from minivllm.exercises.progress import PARTS, status
+from minivllm.exercises.__main__ import main as exercises_main
+from minivllm.exercises.progress import CHAPTERS, PARTS, status
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,14 +44,46 @@ def test_a_fresh_checkout_has_every_part_unwritten(tmp_path):
     assert "not written yet: MyBlockManager.allocate, MyBlockManager.free, MyBlockManager.slot_mapping" in result.stdout
 
 
+def test_every_line_of_status_has_its_columns_where_the_others_have_them(tmp_path):
+    """The state column starts at the same place on every line, the long descriptions (12, 15, 18) included."""
+    write_parts(ROOT / "exercises", tmp_path)
+    lines = []
+    assert status(tmp_path / "your_engine", run_checks=False, out=lines.append) is False
+    assert len(lines) == len(PARTS) + 1 and len({line.index(" not written ") for line in lines[:-1]}) == 1, lines
+
+
+def test_status_refuses_a_chapter_without_a_part_naming_the_flag(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        exercises_main(["status", str(tmp_path), "--chapters", "04", "99"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --chapters: invalid choice: '99'" in err and "'04'" in err
+    with pytest.raises(ValueError, match=r"chapters must be among the exercises' chapters 01, .*got \['99'\]"):
+        status(tmp_path / "your_engine", ["99"], run_checks=False)
+    assert exercises_main(["status", str(tmp_path), "--chapters", "3", "--no-checks"]) == 1  # 3 is 03
+    assert "0 of 2 parts written" in capsys.readouterr().out
+    assert "03" in CHAPTERS and "99" not in CHAPTERS
+
+
+def test_status_run_elsewhere_says_where_to_run_it(tmp_path, capsys):
+    """Run in a folder with neither your_engine/ nor an exercise notebook, status says where to run it; in the
+    exercises' folder before any notebook ran, it only lists the parts as missing."""
+    assert exercises_main(["status", str(tmp_path), "--no-checks"]) == 1
+    err = capsys.readouterr().err
+    assert "run this command in the folder of the exercise notebooks" in err and str(tmp_path.resolve()) in err
+    (tmp_path / "04_block_manager.ipynb").write_text("{}")
+    assert exercises_main(["status", str(tmp_path), "--no-checks"]) == 1
+    assert capsys.readouterr().err == ""
+
+
 def test_a_failing_part_shows_its_checks_message(tmp_path, capsys):
     write_parts(ROOT / "solutions", tmp_path)
     path = tmp_path / "your_engine" / "kv_cache_memory.py"
     path.write_text(path.read_text().replace("return 2 * num_layers", "return num_layers"))  # K only
     assert status(tmp_path / "your_engine", ["03"]) is False
     out = capsys.readouterr().out
-    assert "KV bytes per token                     fails" in out and "half the answer" in out
-    assert "what a paged cache leaves empty        passes" in out and "2 of 2 parts written, 1 pass" in out
+    assert re.search(r"KV bytes per token +fails", out) and "half the answer" in out
+    assert re.search(r"what a paged cache leaves empty +passes", out) and "2 of 2 parts written, 1 pass" in out
 
 
 def test_the_solutions_pass_their_checks_through_the_status_command(tmp_path):
@@ -76,9 +110,9 @@ def test_a_part_that_stops_the_program_at_import_is_that_parts_failure(tmp_path,
     result = run_status(tmp_path, "--chapters", "03", "--no-checks")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert f"{stopping.what:38} fails " in lines[0] and "does not load" in lines[0], result.stdout
+    assert f"{stopping.what:{max(len(p.what) for p in PARTS)}} fails " in lines[0] and "does not load" in lines[0], result.stdout
     assert ("SystemExit" if "exit" in how.lower() else "KeyboardInterrupt") in lines[0], lines[0]
-    assert f"{other.what:38} written" in lines[1] and "2 of 2 parts written" in lines[2], result.stdout
+    assert f"{other.what:{max(len(p.what) for p in PARTS)}} written" in lines[1] and "2 of 2 parts written" in lines[2], result.stdout
 
 
 def test_ctrl_c_still_stops_the_command(tmp_path):

@@ -2,6 +2,7 @@
 swap copies on a side stream (with stand-in streams), decode through the CUDA-graph runner's static buffers
 (its eager replay), and ``python -m minivllm.check_gpu`` without a GPU."""
 
+import json
 import subprocess
 import sys
 
@@ -255,7 +256,9 @@ def test_check_gpu_without_a_gpu_says_so_and_exits_0(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "minivllm.check_gpu", "--out", str(out)], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "no CUDA GPU" in proc.stdout and not out.exists()
+    assert "no CUDA GPU" in proc.stdout
+    report = json.loads(out.read_text())  # the report says so too, never left missing (or stale from a GPU run)
+    assert report["gpu"] is None and report["parts"] == {} and "no CUDA GPU" in report["skipped"]
 
 
 def test_check_gpu_parts_are_isolated_and_summarised():

@@ -10,7 +10,7 @@ from minivllm.config import cdiv, is_int, is_number
 from minivllm.sampling_params import SamplingParams
 
 __all__ = ["random_workload", "ordinary_token_ids", "Arrival", "interference_arrivals", "shared_prefix_arrivals", "squeezed_arrivals",
-           "Workload", "poisson_times", "WORKLOADS", "make_workload", "check_workload_sizes"]
+           "Workload", "poisson_times", "WORKLOADS", "WORKLOAD_PURPOSES", "make_workload", "check_workload_sizes"]
 
 
 # -- Sizes are checked before anything is drawn: a clear ValueError naming the field and its range -------------
@@ -248,6 +248,13 @@ def _memory_pressure(tokenizer, num_requests=16, prompt_len=(64, 128), output_le
 
 WORKLOADS = {"offline": _offline, "online": _online, "shared-prefix": _shared_prefix,
              "interference": _interference, "memory-pressure": _memory_pressure}
+WORKLOAD_PURPOSES = {  # what each workload measures: bench --help and the README list them
+    "offline": "every request at once: throughput and latency against HF transformers (chapter 11)",
+    "online": "Poisson arrivals at --rate per second: TTFT, TPOT and ITL under load (chapters 11, 13)",
+    "shared-prefix": "one long system prompt shared by every request: what --prefix-caching saves (chapter 08)",
+    "interference": "decode streams while long prompts arrive: what prefills do to ITL (chapter 09)",
+    "memory-pressure": "the offline mix in a KV pool too small for it: preemption (chapter 10)",
+}
 
 
 def check_workload_sizes(name: str, **sizes) -> None:

@@ -25,6 +25,7 @@ from typing import Callable
 
 from minivllm.attention import MiniPagedKVCache
 from minivllm.block_manager import MiniBlockManager
+from minivllm.config import check
 from minivllm.cuda_graphs import MiniDecodeGraphRunner
 from minivllm.detokenizer import MiniIncrementalDetokenizer
 from minivllm.exercises import (block_manager, continuous_batching, chunked_prefill, disaggregation, kernels,
@@ -43,7 +44,7 @@ from minivllm.scheduler import MiniScheduler
 from minivllm.serving.engine_loop import MiniEngineLoop
 from minivllm.spec_decode import MiniSpecAcceptor
 
-__all__ = ["Part", "PARTS", "part_status", "status"]
+__all__ = ["Part", "PARTS", "CHAPTERS", "part_status", "status"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,8 @@ PARTS = [
     Part("18", "kernels_inner.cpp", "kernels", kernels.check_kernels, "kernels: attention tile, Q4_1 dot (C++)",
          "kernels"),
 ]
+
+CHAPTERS = sorted({p.chapter for p in PARTS})  # the chapters whose exercises have a part: status --chapters
 
 
 class CtrlC(KeyboardInterrupt):
@@ -168,12 +171,16 @@ def status(parts_dir: Path = PARTS_DIR, chapters: list[str] | None = None, run_c
            out=print, live: bool = False) -> bool:
     """Print one line per part (chapters: only those); True when every part listed is written and passes its
     check's targeted cases (and, with ``live``, its live run)."""
+    if chapters:
+        unknown = sorted(set(chapters) - set(CHAPTERS))
+        check(not unknown, "chapters", f"among the exercises' chapters {', '.join(CHAPTERS)}", unknown)
     chosen = [p for p in PARTS if not chapters or p.chapter in chapters]
+    width = max(len(p.what) for p in PARTS)  # one column for every part, whichever are listed
     states = []
     for part in chosen:
         state, detail = part_status(part, parts_dir, run_checks, live)
         states.append(state)
-        out(f"{part.chapter} {part.what:38} {state:12} {detail}".rstrip())
+        out(f"{part.chapter} {part.what:{width}} {state:12} {detail}".rstrip())
     written = sum(s not in ("missing", "not written") for s in states)
     passing = states.count("passes")
     checked = f", {passing} pass their checks ({'live runs included' if live else 'targeted cases'})"
