@@ -15,8 +15,14 @@ Book honour; ``exercises/conftest.py`` reports such a cell as skipped, with
 the part's name, instead of passed. Cells tagged ``answer`` (the answers to
 "To think about") are left out.
 
-    python exercises/generate.py          # rewrite exercises/
-    python exercises/generate.py --check  # exit 1 if exercises/ is out of date
+It first writes the book's repository into every notebook (``book/``, ``solutions/``): ``_config.yml``'s
+``repository`` (its ``url`` and ``branch``, a release tag) is the one place that names it; the launch buttons
+open that branch, and the setup cell (the first code cell) installs minivllm from it on Colab, where nothing of
+the repository is there yet to read it from. The setup cells get the ``hide-input`` tag (the second one, which
+sets the device, unless the text introduces it).
+
+    python exercises/generate.py          # rewrite the setup cells and exercises/
+    python exercises/generate.py --check  # exit 1 if either is out of date
 """
 
 from __future__ import annotations
@@ -43,6 +49,48 @@ BANNER = (
     "`python -m minivllm.exercises status`, run in this folder, lists every part of your engine: written or "
     "not, and whether its check passes."
 )
+
+
+CONFIG = ROOT / "_config.yml"
+SETUP = "# Setup: on Colab, install minivllm"  # how the first code cell of every notebook starts
+INSTALL = re.compile(r'"minivllm @ git\+[^"]*"')  # the setup cell's pip requirement for minivllm
+HIDDEN = "hide-input"  # Jupyter Book shows the cell's output, and its code only when asked
+
+
+def repository(config: str | None = None) -> tuple[str, str]:
+    """``_config.yml``'s repository: ``(url, branch)``, the branch a release tag (a fork changes both there)."""
+    import yaml  # Jupyter Book's own dependency
+
+    repo = yaml.safe_load(CONFIG.read_text() if config is None else config)["repository"]
+    return repo["url"].rstrip("/"), repo["branch"]
+
+
+def _source(cell) -> str:
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def _set_source(cell, text: str) -> None:
+    cell["source"] = text.splitlines(keepends=True) if isinstance(cell["source"], list) else text
+
+
+def stamp_setup(nb: dict, url: str, branch: str) -> dict:
+    """``nb`` with its setup cells as ``_config.yml`` says: minivllm installed from ``url`` at ``branch``, and the
+    cells hidden (the second one unless a text cell right before it introduces it, as in chapter 00)."""
+    nb = copy.deepcopy(nb)
+    cells = nb["cells"]
+    code = [i for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    if len(code) < 2 or not _source(cells[code[0]]).startswith(SETUP):
+        raise ValueError(f"a notebook's first code cell must be the setup cell ({SETUP!r} ...)")
+    setup = cells[code[0]]
+    if not INSTALL.search(_source(setup)):
+        raise ValueError("the setup cell must install minivllm with pip: \"minivllm @ git+URL@BRANCH\"")
+    _set_source(setup, INSTALL.sub(f'"minivllm @ git+{url}@{branch}"', _source(setup)))
+    hidden = [code[0]] + ([code[1]] if cells[code[1] - 1]["cell_type"] == "code" else [])
+    for i in hidden:
+        tags = cells[i].setdefault("metadata", {}).setdefault("tags", [])
+        if HIDDEN not in tags:
+            tags.append(HIDDEN)
+    return nb
 
 
 def part_name(lines: list[str], indent: str) -> str:
@@ -168,11 +216,18 @@ def main(argv=None) -> int:
     parser.add_argument("--check", action="store_true", help="fail if exercises/ is out of date")
     args = parser.parse_args(argv)
     stale = []
+    url, branch = repository()
+    for path in sorted([*(ROOT / "book").glob("*.ipynb"), *(ROOT / "solutions").glob("*.ipynb")]):
+        text = render(stamp_setup(json.loads(path.read_text()), url, branch))
+        if path.read_text() != text:
+            stale.append(f"{path.parent.name}/{path.name}")
+            if not args.check:
+                path.write_text(text)
     for src in sorted((ROOT / "solutions").glob("*.ipynb")):
         dst = ROOT / "exercises" / src.name
         text = render(make_exercise(json.loads(src.read_text())))
         if not dst.exists() or dst.read_text() != text:
-            stale.append(dst.name)
+            stale.append(f"exercises/{dst.name}")
             if not args.check:
                 dst.write_text(text)
     if args.check and stale:

@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,49 @@ def test_exercises_hide_the_solutions(path):
     code = "\n".join(c["source"] for c in nb["cells"] if c["cell_type"] == "code")
     assert generate.BEGIN not in code and generate.CPP_BEGIN not in code
     assert "NotImplementedError" in code or "MINIVLLM_NOT_WRITTEN(" in code  # a Python stub, or a C++ one (18)
+
+
+NOTEBOOKS = sorted([*(ROOT / "book").glob("*.ipynb"), *(ROOT / "solutions").glob("*.ipynb"),
+                    *(ROOT / "exercises").glob("*.ipynb")])
+
+
+def test_the_repository_is_named_in_one_place():
+    """_config.yml's repository (url, and branch: the release tag of pyproject's version) is what every notebook's
+    setup cell installs and every link to the repository in the README and the notebooks names."""
+    url, branch = generate.repository()
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    assert branch == f"v{version}", "_config.yml's repository branch is the release tag of pyproject's version"
+    owner_repo = url.removeprefix("https://github.com/")
+    for path in NOTEBOOKS:
+        nb = json.loads(path.read_text())
+        assert generate.stamp_setup(nb, url, branch) == nb, f"{path}: run python exercises/generate.py"
+    texts = {p: p.read_text() for p in [ROOT / "README.md", *NOTEBOOKS]}
+    name = owner_repo.split("/")[1]
+    for path, text in texts.items():
+        for m in re.finditer(rf"github(?:\.com)?/([\w.-]+/{re.escape(name)})\b(/blob/[^/\s]+)?(@[\w.-]+)?", text):
+            assert m.group(1) == owner_repo, f"{path.name}: {m.group(0)} is not _config.yml's {url}"
+            if m.group(2) or m.group(3):
+                assert (m.group(2) or m.group(3))[1:].removeprefix("blob/") == branch, f"{path.name}: {m.group(0)}"
+
+
+def test_stamping_the_setup_cells_installs_from_the_configured_tag_and_hides_them():
+    """generate.stamp_setup: the configured url@branch in the setup cell's pip line; both setup cells hidden, the
+    second one only when no text introduces it; a notebook without the setup cell first is refused."""
+    repo = generate.repository("repository:\n  url: https://github.com/someone/minivllm/\n  branch: v9.9\n")
+    assert repo == ("https://github.com/someone/minivllm", "v9.9")
+    setup = ('# Setup: on Colab, install minivllm and the embedded model\nimport subprocess, sys\n'
+             'subprocess.run(["pip", "install", "minivllm @ git+https://github.com/minivllm/minivllm"])')
+    cell = lambda kind, text: {"cell_type": kind, "metadata": {}, "source": text}  # noqa: E731
+    nb = {"cells": [cell("code", setup), cell("code", "import os"), cell("code", "x = 1")]}
+    out = generate.stamp_setup(nb, *repo)
+    assert '"minivllm @ git+https://github.com/someone/minivllm@v9.9"' in out["cells"][0]["source"]
+    assert [c["metadata"].get("tags") for c in out["cells"]] == [["hide-input"], ["hide-input"], None]
+    assert generate.stamp_setup(out, *repo) == out  # stamping twice changes nothing
+    introduced = {"cells": [cell("code", setup), cell("markdown", "The next cell..."), cell("code", "import os")]}
+    assert [c["metadata"].get("tags") for c in generate.stamp_setup(introduced, *repo)["cells"]] == [
+        ["hide-input"], None, None]
+    with pytest.raises(ValueError, match="first code cell must be the setup cell"):
+        generate.stamp_setup({"cells": [cell("code", "import os"), cell("code", setup)]}, *repo)
 
 
 def test_strip_solutions_keeps_indentation_and_tags_top_level():
