@@ -354,14 +354,18 @@ def _speculative_argv(args) -> list[str]:
 def _workloads_help() -> str:
     """``bench --help``'s list of the workloads: what each measures, and its default sizes as the flags that change
     them (read from the workload's own signature)."""
+    def flag(p) -> str:
+        values = p.default if isinstance(p.default, tuple) else (p.default,)
+        return f"--{p.name.replace('_', '-')} " + " ".join(f"{v:g}" for v in values)
+
     lines = ["workloads (--workload), with their default sizes: the flags below size a run down"]
     for name, make in WORKLOADS.items():
-        sizes = [f"--{p.name.replace('_', '-')} " + " ".join(map(str, p.default if isinstance(p.default, tuple)
-                                                                  else [p.default]))
-                 for p in inspect.signature(make).parameters.values() if p.name in SIZE_FLAGS]
-        lines += [f"  {name:16} {WORKLOAD_PURPOSES[name]}", f"  {'':16} {', '.join(sizes) or f'fixed sizes here (python -m minivllm.bench {name} --help)'}"]
+        sizes = ", ".join(flag(p) for p in inspect.signature(make).parameters.values() if p.name in SIZE_FLAGS)
+        lines += [f"  {name:16} {WORKLOAD_PURPOSES[name]}",
+                  f"  {'':16} {sizes or f'fixed sizes here (python -m minivllm.bench {name} --help)'}"]
     lines += [f"  {'speculative':16} prompt lookup off and on, on repetitive and open chat prompts (chapter 17)",
-              f"  {'':16} --num-requests N (one batch size; default 1, 4 and 16), --output-len MIN MAX (MAX tokens; 64)",
+              f"  {'':16} --num-requests N (one batch size; default 1, 4 and 16), "
+              "--output-len MIN MAX (MAX tokens; 64)",
               "A short run: --num-requests 4 --output-len 16 16 --compare none --no-roofline (no baselines, no "
               "measuring the machine)."]
     return "\n".join(lines)

@@ -194,7 +194,11 @@ def test_bench_help_and_the_readme_describe_every_workload_and_how_to_size_it_do
     assert "--num-requests 32, --prompt-len 16 256, --output-len 64 64" in text  # offline's defaults
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert [name for name in names if f"`{name}`" not in readme] == []
-    assert all(flag in readme for flag in ("--num-requests", "--prompt-len", "--output-len", "--rate"))
+    lines = text.split("\n")
+    for name in WORKLOADS:  # the README's table gives the same default sizes as --help
+        sizes = lines[lines.index(next(line for line in lines if line.startswith(f"  {name} "))) + 1].strip()
+        row = next(line for line in readme.split("\n") if line.startswith(f"| `{name}` |"))
+        assert sizes.startswith("fixed") or f"`{sizes.replace(',', '')}`" in row, (name, sizes, row)
 
 
 # -- the same checks in the library: make_workload and the arrival builders --------------------------------
