@@ -250,22 +250,40 @@ def test_chapters_point_to_the_exercise_before_showing_its_answer(path):
             assert "hide-input" in cell["metadata"].get("tags", []), f"{chapter.name} cell {i}: collapse it"
 
 
-def test_an_unwritten_part_stops_its_cell_with_one_line(tmp_path):
-    """In a kernel set up as an exercise's setup cell does, a stub's NotImplementedError is one error line with its
-    message (what a rendered page shows, what nbval and exercises/conftest.py read); other errors keep their
-    traceback."""
+def test_an_exercise_kernel_shows_an_unwritten_part_in_one_line_and_never_writes_a_stub_over_a_part(tmp_path):
+    """In a kernel set up as an exercise's setup cell does (set_up_exercise): a stub's NotImplementedError is one
+    error line with its message (what a rendered page shows, what nbval and exercises/conftest.py read), other
+    errors keep their traceback; a %%writefile cell with more stubs than the file it would replace keeps the file,
+    and one with as many or fewer writes it."""
     nbclient, nbformat = pytest.importorskip("nbclient"), pytest.importorskip("nbformat")
-    cells = ["from minivllm.exercises.notebook import one_line_for_unwritten_parts\none_line_for_unwritten_parts()",
+    stub = 'def f():\n    raise NotImplementedError("not written yet: f")\n'
+    (tmp_path / "your_engine").mkdir()
+    (tmp_path / "your_engine" / "part.py").write_text("def f():\n    return 1\n")  # the reader's, in an editor
+    cells = ["from minivllm.exercises.notebook import set_up_exercise\nset_up_exercise()",
              'def f():\n    raise NotImplementedError("not written yet: My.f")\nf()',
-             'def g():\n    raise NotImplementedError("a real one")\ng()']
+             'def g():\n    raise NotImplementedError("a real one")\ng()',
+             "%%writefile your_engine/part.py\n" + stub,  # Run All over the exercise as generated: kept
+             "%%writefile your_engine/part.py\ndef f():\n    return 2\n",  # the reader's next version: written
+             "%%writefile your_engine/new.py\n" + stub]  # no file yet: the stub is written
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c, metadata={"tags": ["raises-exception"]})
                                          for c in cells])
-    nbclient.NotebookClient(nb, timeout=120, resources={"metadata": {"path": str(tmp_path)}}).execute()
-    stub, real = (c.outputs for c in nb.cells[1:])
-    assert [(o.output_type, o.ename, o.evalue, o.traceback) for o in stub] == [
+    client = nbclient.NotebookClient(nb, timeout=120, resources={"metadata": {"path": str(tmp_path)}})
+    client.allow_errors = False  # only the cells tagged raises-exception may fail
+    parts = {}
+
+    def on_cell_executed(cell, cell_index, **kwargs):  # each file as the cell left it
+        parts[cell_index] = {p.name: p.read_text() for p in (tmp_path / "your_engine").iterdir()}
+
+    client.on_cell_executed = on_cell_executed
+    client.execute()
+    stub_error, real_error = (c.outputs for c in nb.cells[1:3])
+    assert [(o.output_type, o.ename, o.evalue, o.traceback) for o in stub_error] == [
         ("error", "NotImplementedError", "not written yet: My.f", ["NotImplementedError: not written yet: My.f"])]
-    assert len(real) == 1 and real[0].evalue == "a real one" and len(real[0].traceback) > 1
-    assert "g()" in re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(real[0].traceback))  # ANSI colours out
+    assert len(real_error) == 1 and real_error[0].evalue == "a real one" and len(real_error[0].traceback) > 1
+    assert "g()" in re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(real_error[0].traceback))  # ANSI colours out
+    assert parts[3]["part.py"] == "def f():\n    return 1\n"
+    assert "Kept your_engine/part.py" in nb.cells[3].outputs[0].text and "1 here" in nb.cells[3].outputs[0].text
+    assert parts[4]["part.py"] == "def f():\n    return 2\n" and parts[5]["new.py"] == stub
 
 
 def _solved_parts(folder: Path) -> dict[str, bytes]:
