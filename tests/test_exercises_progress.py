@@ -12,7 +12,7 @@ import pytest
 
 from helpers import write_parts
 from minivllm.exercises.__main__ import main as exercises_main
-from minivllm.exercises.progress import CHAPTERS, PARTS, status
+from minivllm.exercises.progress import CHAPTERS, PARTS, WHAT_WIDTH, status
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -110,9 +110,9 @@ def test_a_part_that_stops_the_program_at_import_is_that_parts_failure(tmp_path,
     result = run_status(tmp_path, "--chapters", "03", "--no-checks")
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stdout + result.stderr
     lines = result.stdout.splitlines()
-    assert f"{stopping.what:{max(len(p.what) for p in PARTS)}} fails " in lines[0] and "does not load" in lines[0], result.stdout
+    assert f"{stopping.what:{WHAT_WIDTH}} fails " in lines[0] and "does not load" in lines[0], result.stdout
     assert ("SystemExit" if "exit" in how.lower() else "KeyboardInterrupt") in lines[0], lines[0]
-    assert f"{other.what:{max(len(p.what) for p in PARTS)}} written" in lines[1] and "2 of 2 parts written" in lines[2], result.stdout
+    assert f"{other.what:{WHAT_WIDTH}} written" in lines[1] and "2 of 2 parts written" in lines[2], result.stdout
 
 
 def test_ctrl_c_still_stops_the_command(tmp_path):

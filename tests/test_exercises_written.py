@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from minivllm.exercises._common import NOT_WRITTEN, complete, unwritten
-from minivllm.exercises.progress import PARTS, part_status
+from minivllm.exercises.progress import PARTS, WHAT_WIDTH, part_status
 
 from test_exercises_progress import ROOT, run_status, write_parts
 
@@ -118,7 +118,7 @@ def test_an_empty_part_is_minivllms_in_the_capstone(tmp_path, monkeypatch, capsy
     found = your_parts([p for p in PARTS if p.chapter == "17"])  # not even probed: nothing of it is the reader's
     assert found == {}
     part = next(p for p in PARTS if p.chapter == "17")
-    assert f"17 {part.what:40} minivllm's: yours is {NOT_WRITTEN}" in capsys.readouterr().out
+    assert f"17 {part.what:{WHAT_WIDTH}} minivllm's: yours is {NOT_WRITTEN}" in capsys.readouterr().out
 
 
 def test_targeted_cases_alone_build_no_engine(tmp_path, monkeypatch):

@@ -44,7 +44,7 @@ from minivllm.scheduler import MiniScheduler
 from minivllm.serving.engine_loop import MiniEngineLoop
 from minivllm.spec_decode import MiniSpecAcceptor
 
-__all__ = ["Part", "PARTS", "CHAPTERS", "part_status", "status"]
+__all__ = ["Part", "PARTS", "CHAPTERS", "WHAT_WIDTH", "part_status", "status"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,7 @@ PARTS = [
 ]
 
 CHAPTERS = sorted({p.chapter for p in PARTS})  # the chapters whose exercises have a part: status --chapters
+WHAT_WIDTH = max(len(p.what) for p in PARTS)  # one column for the parts' descriptions, whichever are listed
 
 
 class CtrlC(KeyboardInterrupt):
@@ -175,12 +176,11 @@ def status(parts_dir: Path = PARTS_DIR, chapters: list[str] | None = None, run_c
         unknown = sorted(set(chapters) - set(CHAPTERS))
         check(not unknown, "chapters", f"among the exercises' chapters {', '.join(CHAPTERS)}", unknown)
     chosen = [p for p in PARTS if not chapters or p.chapter in chapters]
-    width = max(len(p.what) for p in PARTS)  # one column for every part, whichever are listed
     states = []
     for part in chosen:
         state, detail = part_status(part, parts_dir, run_checks, live)
         states.append(state)
-        out(f"{part.chapter} {part.what:{width}} {state:12} {detail}".rstrip())
+        out(f"{part.chapter} {part.what:{WHAT_WIDTH}} {state:12} {detail}".rstrip())
     written = sum(s not in ("missing", "not written") for s in states)
     passing = states.count("passes")
     checked = f", {passing} pass their checks ({'live runs included' if live else 'targeted cases'})"
