@@ -34,7 +34,7 @@ from minivllm.attention import MiniPagedKVCache, PagedBatch
 from minivllm.block_manager import slots
 from minivllm.cpu_malloc import keep_freed_memory
 from minivllm.cuda_graphs import DecodeGraphRunner, MiniDecodeGraphRunner
-from minivllm.sampler import MiniSampler, SamplerOutput, apply_token_bitmask, verify_drafts
+from minivllm.sampler import MiniSampler, SamplerOutput, mask_logits, verify_drafts
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
 from minivllm.spec_decode import accept_greedy
@@ -139,8 +139,7 @@ class ModelRunner:
         logits = self.forward_inputs(self.step_inputs(chunks), mark)
         if logits is None:
             return SamplerOutput([], [])
-        if self.apply_grammars(logits, chunks):
-            mark("grammar")
+        self.apply_grammars(logits, chunks, mark)
         if any(c.spec_token_ids for c in chunks):
             result = self.verify(logits, chunks)
         else:
@@ -149,8 +148,9 @@ class ModelRunner:
         mark("sample")
         return result
 
-    def apply_grammars(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> bool:
+    def apply_grammars(self, logits: torch.Tensor, chunks: list[ScheduledChunk], mark=_noop_mark) -> bool:
         """Mask, in place, the logits of every row whose sample has a grammar (chapter 19); False if none has.
+        The time it takes is the step's "grammar" phase (the logits before it stay in "sample", as without one).
 
         A plain row gets its matcher's bitmask. A drafted row (chapter 17) has
         ``1 + d`` rows: row ``i`` follows draft ``i - 1``, so the matcher is
@@ -172,21 +172,22 @@ class ModelRunner:
                 row += 1
         if not rows:
             return False
-        bitmask = torch.full((sum(len(d) + 1 for _, _, d in rows), bitmask_words(logits.shape[-1])), -1,
-                             dtype=torch.int32)
+        mark("sample")
+        bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)  # all allowed
         index = []
         for first, grammar, drafts in rows:
             advanced = 0
             try:
                 for i in range(len(drafts) + 1):
                     if advanced == i and not grammar.is_terminated():
-                        grammar.fill_bitmask(bitmask, len(index))
+                        grammar.fill_bitmask(bitmask, first + i)
                     index.append(first + i)
                     if i < len(drafts) and advanced == i and grammar.accept(drafts[i]):
                         advanced += 1
             finally:
                 grammar.rollback(advanced)
-        apply_token_bitmask(logits, bitmask, index)
+        mask_logits(logits, bitmask, index)
+        mark("grammar")
         return True
 
     def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SamplerOutput:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
-from minivllm.sampler import apply_token_bitmask
+from minivllm.sampler import apply_token_bitmask, mask_logits
 from minivllm.sequence import Sequence
 from minivllm.structured_output import INSTALL, MAX_CHOICES, bitmask_words
 
@@ -139,18 +139,18 @@ def test_the_disaggregated_engine_refuses_a_constraint_before_anything_else():
 
 # -- the mask --------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("vocab", [64, 100, 49152])
-def test_apply_token_bitmask_matches_xgrammars_own(vocab):
+def test_the_bitmask_reference_matches_xgrammar_and_the_engines_kernel(vocab):
     g = torch.Generator().manual_seed(vocab)
     logits = torch.randn(5, vocab, generator=g)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (3, bitmask_words(vocab)), dtype=torch.int32, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, bitmask_words(vocab)), dtype=torch.int32, generator=g)
     rows = [4, 0, 2]
-    ours = logits.clone()
+    ours, fast, theirs = logits.clone(), logits.clone(), logits.clone()
     apply_token_bitmask(ours, bitmask, rows)
-    theirs, full = logits.clone(), torch.zeros(5, bitmask.shape[1], dtype=torch.int32)
-    full[rows] = bitmask  # xgrammar's bitmask has a row per logits row; ours one per row listed
-    xgr.apply_token_bitmask_inplace(theirs, full, vocab_size=vocab, indices=rows, backend="torch_native")
-    assert torch.equal(ours, theirs)
+    mask_logits(fast, bitmask, rows)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows, backend="torch_native")
+    assert torch.equal(ours, theirs) and torch.equal(fast, theirs)
     assert torch.equal(ours[[1, 3]], logits[[1, 3]])  # rows without a mask untouched
+    assert ours.isinf().any(1).tolist() == [True, False, True, False, True]
     token = 32 * 1 + 5  # bit 5 of word 1, least significant first
     single = torch.zeros(1, bitmask_words(vocab), dtype=torch.int32)
     single[0, 1] = 1 << 5
@@ -288,3 +288,16 @@ def test_smollm2_answers_chat_prompts_with_sensible_valid_json():
         assert json.loads(o.outputs[0].text)["name"].strip(), o.outputs[0].text  # a name, not an empty string
     alone = llm.generate(prompts, plain, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs[4:]] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_the_structured_benchmark_reports_validity_and_the_grammars_share(tiny_llm, capsys):
+    from minivllm.bench import run_structured, structured_main, structured_prompts
+
+    prompts = structured_prompts(tiny_llm.get_tokenizer(), 3)
+    on = run_structured(tiny_llm, prompts, 160, constrained=True)
+    off = run_structured(tiny_llm, prompts, on["lengths"], constrained=False)
+    assert on["valid"] == 1.0 and off["valid"] == 0.0 and off["lengths"] == on["lengths"]
+    assert on["grammar_ms_per_step"] > 0 and 0 < on["grammar_share"] < 1 and off["grammar_share"] == 0
+    assert structured_main(["--model", "tiny-random", "--batch-sizes", "2", "--output-tokens", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:2] == ["2", "on"] for line in lines) and any("TPOT on/off" in line for line in lines)
