@@ -191,12 +191,13 @@ class LLMEngine:
     def grammar_backend(self) -> GrammarBackend:
         """The grammar library over this engine's tokenizer and vocabulary (chapter 19), built once, at first use:
         the model's EOS ids are its stop tokens, and a matcher can roll back a step's drafts and bonus token."""
-        with self.lock:
-            if self._grammar_backend is None:
-                spec = self.config.speculative_config
-                self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self._eos_token_ids(),
-                                                       spec.num_speculative_tokens + 1 if spec else 1)
-            return self._grammar_backend
+        if self._grammar_backend is None:  # the lock only to build it: a server thread compiling waits on no step
+            with self.lock:
+                if self._grammar_backend is None:
+                    spec = self.config.speculative_config
+                    self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self._eos_token_ids(),
+                                                           spec.num_speculative_tokens + 1 if spec else 1)
+        return self._grammar_backend
 
     def compile_constraint(self, params: SamplingParams) -> None:
         """Compile ``params``' constraint now (cached; a ValueError naming ``structured_outputs`` if it fails).

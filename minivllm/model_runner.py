@@ -159,17 +159,7 @@ class ModelRunner:
         draft the grammar refuses (or its end) the rows are left whole: that
         draft is rejected at its own position, where its mask forbids it.
         """
-        rows, row = [], 0  # (first logits row, grammar, drafts)
-        for c in chunks:
-            if c.spec_token_ids:
-                if c.seq.grammar is not None:
-                    rows.append((row, c.seq.grammar, c.spec_token_ids))
-                row += len(c.spec_token_ids) + 1
-                continue
-            for s in c.sample_seqs:
-                if s.grammar is not None:
-                    rows.append((row, s.grammar, []))
-                row += 1
+        rows = self.grammar_rows(chunks)
         if not rows:
             return False
         mark("sample")
@@ -189,6 +179,22 @@ class ModelRunner:
         mask_logits(logits, bitmask, index)
         mark("grammar")
         return True
+
+    @staticmethod
+    def grammar_rows(chunks: list[ScheduledChunk]) -> list[tuple]:
+        """``(first logits row, grammar, drafts)`` of every constrained sample of the step, in logits order."""
+        rows, row = [], 0
+        for c in chunks:
+            if c.spec_token_ids:
+                if c.seq.grammar is not None:
+                    rows.append((row, c.seq.grammar, c.spec_token_ids))
+                row += len(c.spec_token_ids) + 1
+                continue
+            for s in c.sample_seqs:
+                if s.grammar is not None:
+                    rows.append((row, s.grammar, []))
+                row += 1
+        return rows
 
     def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SamplerOutput:
         """A step with drafts (chapter 17): rows without drafts go through the sampler as usual, each drafted

@@ -122,12 +122,11 @@ class ToolCallFormat(ChatFormat):
         """The reply's calls, or None when it is not a whole list of them ("required" cut short)."""
         if self.named is not None:
             return [self._call(c.index, 0, self.named, c.text)]
-        try:
-            items = json.loads(c.text)
-        except ValueError:
+        try:  # the grammar made it a list of calls, unless max_tokens or a stop string cut it short
+            return [self._call(c.index, i, item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                    for i, item in enumerate(json.loads(c.text))]
+        except (ValueError, RecursionError, TypeError, KeyError):
             return None
-        return [self._call(c.index, i, item["name"], json.dumps(item["parameters"], ensure_ascii=False))
-                for i, item in enumerate(items)]
 
     def _call(self, choice: int, i: int, name: str, arguments: str) -> dict:
         return {"id": self.call_id(choice, i), "type": "function", "function": {"name": name, "arguments": arguments}}
