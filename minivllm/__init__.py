@@ -8,10 +8,10 @@ from minivllm.config import EngineConfig, default_device
 from minivllm.engine import LLM, LLMEngine
 from minivllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from minivllm.models import load_model, load_tokenizer
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 __all__ = [
-    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineStats",
+    "LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "EngineStats",
     "default_device", "load_model", "load_tokenizer",
 ]

@@ -21,7 +21,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.bench import (WORKLOAD_PURPOSES, WORKLOADS, speculative_main, check_workload_sizes, format_results, make_workload, measure_machine,
+from minivllm.bench import (WORKLOAD_PURPOSES, WORKLOADS, speculative_main, structured_main, check_workload_sizes, format_results,
+                            make_workload, measure_machine,
                             roofline, run_contiguous, run_engine, run_hf_generate, run_hf_generate_batch, run_naive,
                             run_static, same_outputs, step_breakdown)
 from minivllm.bench.cli import (add_chunked_prefill_flag, add_kernel_flags, kernel_options, add_min_max, block_size_int,
@@ -340,9 +341,9 @@ def round_ratios(rounds: list[Round]) -> dict[str, list[float]]:
     return ratios
 
 
-def _speculative_argv(args) -> list[str]:
-    """``bench --workload speculative``'s flags for :func:`minivllm.bench.speculative_main`: --num-requests sets
-    one batch size, --output-len MIN MAX the output tokens (MAX)."""
+def _experiment_argv(args) -> list[str]:
+    """``bench --workload speculative`` (or ``structured``)'s flags for :func:`minivllm.bench.speculative_main` (or
+    ``structured_main``): --num-requests sets one batch size, --output-len MIN MAX the output tokens (MAX)."""
     argv = ["--model", args.model, "--seed", str(args.seed), "--block-size", str(args.block_size),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     argv += ["--device", args.device] if args.device else []
@@ -366,6 +367,8 @@ def _workloads_help() -> str:
     lines += [f"  {'speculative':16} prompt lookup off and on, on repetitive and open chat prompts (chapter 17)",
               f"  {'':16} --num-requests N (one batch size; default 1, 4 and 16), "
               "--output-len MIN MAX (MAX tokens; 64)",
+              f"  {'structured':16} a JSON-schema constraint off and on: validity, TPOT, the grammar's share (chapter 19)",
+              f"  {'':16} --num-requests N (one batch size; default 1 and 16), --output-len MIN MAX (MAX tokens; 64)",
               "A short run: --num-requests 4 --output-len 16 16 --compare none --no-roofline (no baselines, no "
               "measuring the machine)."]
     return "\n".join(lines)
@@ -395,7 +398,7 @@ def main(argv=None) -> int:
                        description="Run a workload through minivllm (and, offline, through HF transformers) and "
                                    "print throughput, TTFT/TPOT/ITL/E2E percentiles, KV use and the roofline.",
                        epilog=_workloads_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    b.add_argument("--workload", required=True, choices=sorted([*WORKLOADS, "speculative"]))
+    b.add_argument("--workload", required=True, choices=sorted([*WORKLOADS, "speculative", "structured"]))
     b.add_argument("--json", metavar="FILE", type=writable_file, help="also write every figure to FILE as JSON")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
@@ -453,7 +456,9 @@ def main(argv=None) -> int:
     if args.command == "serve":
         return serve_main(args, s)
     if args.workload == "speculative":  # chapter 17's experiment (python -m minivllm.bench speculative) runs its own
-        return speculative_main(_speculative_argv(args))
+        return speculative_main(_experiment_argv(args))
+    if args.workload == "structured":  # chapter 19's experiment (python -m minivllm.bench structured) runs its own
+        return structured_main(_experiment_argv(args))
     for size in SIZE_FLAGS:  # a size the workload does not have (argparse checked the ranges)
         if getattr(args, size) is not None:
             try:

@@ -46,6 +46,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence, SequenceStatus
 from minivllm.simple_generation import chat_prompt_ids
+from minivllm.structured_output import GrammarBackend
 from minivllm.timing import PhaseClock
 
 __all__ = ["LLMEngine", "LLM", "make_engine"]
@@ -95,6 +96,7 @@ class LLMEngine:
         self.last_schedule = SchedulerOutput()  # what the latest step ran (chapters draw timelines from it)
         self.last_step_phases: dict[str, float] = {}  # seconds per phase of the latest step (chapter 12)
         self.sync_phase_timing = False  # on a GPU, wait for the device at each phase boundary
+        self._grammar_backend: GrammarBackend | None = None  # built at the first constrained request (chapter 19)
 
     def _build(self, config: EngineConfig) -> None:
         """The model (or rank 0's shard), the pool sizes, block manager, scheduler and runner."""
@@ -188,6 +190,23 @@ class LLMEngine:
         return max(1, min(by_memory, by_demand))
 
     # -- requests ------------------------------------------------------------------------------
+    def grammar_backend(self) -> GrammarBackend:
+        """The grammar library over this engine's tokenizer and vocabulary (chapter 19), built once, at first use:
+        the model's EOS ids are its stop tokens, and a matcher can roll back a step's drafts and bonus token."""
+        if self._grammar_backend is None:  # the lock only to build it: a server thread compiling waits on no step
+            with self.lock:
+                if self._grammar_backend is None:
+                    spec = self.config.speculative_config
+                    self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self._eos_token_ids(),
+                                                           spec.num_speculative_tokens + 1 if spec else 1)
+        return self._grammar_backend
+
+    def compile_constraint(self, params: SamplingParams) -> None:
+        """Compile ``params``' constraint now (cached; a ValueError naming ``structured_outputs`` if it fails).
+        :meth:`validate_request` calls it; the server calls it first in a worker thread, off the engine loop."""
+        if params.structured_outputs is not None:
+            self.grammar_backend().compile(params.structured_outputs)
+
     def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A prompt in one of vLLM's forms (text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``).
 
@@ -243,6 +262,7 @@ class LLMEngine:
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
             raise ValueError(f"prompt length ({len(ids)}) must be <= max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) when enable_chunked_prefill is False")
+        self.compile_constraint(params)  # last: the cheap checks first; cached, so add_request compiles once
         return text, ids
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
@@ -262,6 +282,8 @@ class LLMEngine:
         seqs = [Sequence(request_id, ids, params.for_sample(i), priority, arrival_time, text, index=i)
                 for i in range(params.n)]
         for seq in seqs:
+            if params.structured_outputs is not None:  # each sample its own matcher (chapter 19)
+                seq.grammar = self.grammar_backend().grammar(params.structured_outputs)
             if seq.params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
             seq.metrics.arrival_time = seqs[0].metrics.arrival_time

@@ -13,6 +13,11 @@ A decode row with drafts (chapter 17) is a chunk of ``1 + d`` tokens after
 the cached KV, exactly a prefill chunk; all its ``1 + d`` rows get logits and
 :func:`~minivllm.sampler.verify_drafts` keeps what the model agrees with.
 
+A row whose sample has a constraint (chapter 19) gets its grammar's bitmask
+on its logits before anything samples from them (:meth:`ModelRunner.apply_grammars`),
+whatever the sampler; a drafted row gets one per verified position. Rows
+without one are not touched.
+
 Under tensor parallelism (chapter 15) every rank runs :meth:`forward_inputs`
 on the same :class:`StepInputs` with its own shard of the model and its own
 KV pool; rank 0 builds them from the chunks and broadcasts them
@@ -29,10 +34,11 @@ from minivllm.attention import MiniPagedKVCache, PagedBatch
 from minivllm.block_manager import slots
 from minivllm.cpu_malloc import keep_freed_memory
 from minivllm.cuda_graphs import DecodeGraphRunner, MiniDecodeGraphRunner
-from minivllm.sampler import MiniSampler, SamplerOutput, verify_drafts
+from minivllm.sampler import MiniSampler, SamplerOutput, mask_logits, verify_drafts
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
 from minivllm.spec_decode import accept_greedy
+from minivllm.structured_output import bitmask_words
 
 
 def _noop_mark(name: str) -> None:
@@ -133,6 +139,7 @@ class ModelRunner:
         logits = self.forward_inputs(self.step_inputs(chunks), mark)
         if logits is None:
             return SamplerOutput([], [])
+        self.apply_grammars(logits, chunks, mark)
         if any(c.spec_token_ids for c in chunks):
             result = self.verify(logits, chunks)
         else:
@@ -140,6 +147,54 @@ class ModelRunner:
             result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         mark("sample")
         return result
+
+    def apply_grammars(self, logits: torch.Tensor, chunks: list[ScheduledChunk], mark=_noop_mark) -> bool:
+        """Mask, in place, the logits of every row whose sample has a grammar (chapter 19); False if none has.
+        The time it takes is the step's "grammar" phase (the logits before it stay in "sample", as without one).
+
+        A plain row gets its matcher's bitmask. A drafted row (chapter 17) has
+        ``1 + d`` rows: row ``i`` follows draft ``i - 1``, so the matcher is
+        advanced through the drafts to fill each position's mask, then rolled
+        back (only the tokens ``update`` appends advance it for good). Past a
+        draft the grammar refuses (or its end) the rows are left whole: that
+        draft is rejected at its own position, where its mask forbids it.
+        """
+        rows = self.grammar_rows(chunks)
+        if not rows:
+            return False
+        mark("sample")
+        bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)  # all allowed
+        index = []
+        for first, grammar, drafts in rows:
+            advanced = 0
+            try:
+                for i in range(len(drafts) + 1):
+                    if advanced == i and not grammar.is_terminated():
+                        grammar.fill_bitmask(bitmask, first + i)
+                    index.append(first + i)
+                    if i < len(drafts) and advanced == i and grammar.accept(drafts[i]):
+                        advanced += 1
+            finally:
+                grammar.rollback(advanced)
+        mask_logits(logits, bitmask, index)
+        mark("grammar")
+        return True
+
+    @staticmethod
+    def grammar_rows(chunks: list[ScheduledChunk]) -> list[tuple]:
+        """``(first logits row, grammar, drafts)`` of every constrained sample of the step, in logits order."""
+        rows, row = [], 0
+        for c in chunks:
+            if c.spec_token_ids:
+                if c.seq.grammar is not None:
+                    rows.append((row, c.seq.grammar, c.spec_token_ids))
+                row += len(c.spec_token_ids) + 1
+                continue
+            for s in c.sample_seqs:
+                if s.grammar is not None:
+                    rows.append((row, s.grammar, []))
+                row += 1
+        return rows
 
     def verify(self, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> SamplerOutput:
         """A step with drafts (chapter 17): rows without drafts go through the sampler as usual, each drafted

@@ -24,8 +24,8 @@ import torch
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode import accept_greedy
 
-__all__ = ["Logprob", "SamplerOutput", "Sampler", "MiniSampler", "apply_top_k_top_p", "sample", "top_logprobs",
-           "verify_drafts"]
+__all__ = ["Logprob", "SamplerOutput", "Sampler", "MiniSampler", "apply_top_k_top_p", "apply_token_bitmask", "mask_logits", "sample",
+           "top_logprobs", "verify_drafts"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,30 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     remove[:, 0] = False  # the most likely token always survives
     filtered = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, filtered)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Set to -inf, in place, the logits of ``rows`` whose token the row's bitmask forbids (chapter 19): the
+    reference, in PyTorch. ``bitmask [len(logits), ceil(vocab / 32)]`` is int32 in xgrammar's layout: token ``t`` is
+    bit ``t % 32`` (least significant first) of word ``t // 32``, set when allowed. vLLM applies it at the same
+    place, before the sampler (``apply_grammar_bitmask`` in ``vllm/v1/structured_output/utils.py``)."""
+    vocab = logits.shape[-1]
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[index.to(bitmask.device)].unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """:func:`apply_token_bitmask`'s result, fast: xgrammar's C++ kernel for float32 and bfloat16 logits on the CPU
+    (the call vLLM makes), the PyTorch reference elsewhere. The full vocabulary's bits unpacked and a
+    ``masked_fill`` in PyTorch cost milliseconds a row on a CPU; the kernel, microseconds."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.bfloat16):
+        from xgrammar.kernels.apply_token_bitmask_inplace_cpu import apply_token_bitmask_inplace_cpu
+
+        apply_token_bitmask_inplace_cpu(logits, bitmask, logits.shape[-1], rows)
+    else:
+        apply_token_bitmask(logits, bitmask, rows)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
@@ -106,14 +130,17 @@ def verify_drafts(logits: torch.Tensor, draft: list[int], params: SamplingParams
 
 
 def top_logprobs(logits: torch.Tensor, token_id: int, k: int) -> dict[int, Logprob]:
-    """The sampled token's log-probability and rank, and the ``k`` most likely tokens' (one row of logits)."""
+    """The sampled token's log-probability and rank, and the ``k`` most likely tokens' (one row of logits).
+
+    A token masked to -inf (a grammar forbids it, chapter 19) is no candidate: fewer than ``k`` may come back."""
     logprobs = logits.float().log_softmax(dim=-1)
     chosen = logprobs[token_id]
     result = {token_id: Logprob(float(chosen), int((logprobs > chosen).sum()) + 1)}
     if k:
         values, ids = logprobs.topk(k)
         for rank, (value, tid) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
-            result.setdefault(tid, Logprob(value, rank))
+            if value != float("-inf"):
+                result.setdefault(tid, Logprob(value, rank))
     return result
 
 

@@ -6,6 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from minivllm.config import check, is_int, is_number
+from minivllm.structured_output import StructuredOutputsParams
+
+__all__ = ["SamplingParams", "StructuredOutputsParams"]
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature samples greedily
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -35,7 +38,15 @@ class SamplingParams:
     ``MAX_STOP_STRINGS`` stop strings, ``MAX_STOP_CHARS`` characters of them in
     all, and ``MAX_STOP_TOKEN_IDS`` stop token ids. ``logprobs`` asks for that many most
     likely tokens' log-probabilities (under the model's own distribution) at
-    every step, beside the sampled token's.
+    every step, beside the sampled token's (under a constraint, of the masked
+    distribution: a token the grammar forbids has no probability, as in vLLM,
+    whose bitmask is applied to the logits before its sampler computes them).
+    ``structured_outputs`` (a :class:`StructuredOutputsParams`, chapter 19)
+    constrains the output to a JSON schema, a regex, a choice or a grammar;
+    it is checked when made, and compiled by the engine before the request is
+    queued. A constrained sample ends when its grammar does (EOS where the
+    grammar may end, ``ignore_eos`` or not); cut short by ``max_tokens`` its
+    finish reason is "length".
 
     The engine keeps its own copy (:meth:`clone`) of the params it accepts, so
     changing this object afterwards changes nothing already queued.
@@ -52,6 +63,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         check(is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"an integer in [1, {MAX_N}]", self.n)
@@ -70,6 +82,8 @@ class SamplingParams:
         check(isinstance(self.ignore_eos, bool), "ignore_eos", "True or False", self.ignore_eos)
         check(self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
               f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs", "None or a StructuredOutputsParams", self.structured_outputs)
 
     @property
     def greedy(self) -> bool:

@@ -290,7 +290,8 @@ class Scheduler:
         ``others`` still to schedule, and within what the request may still emit (the bonus token included).
 
         Rows that ask for logprobs are not drafted (their logprobs come from plain decode steps), nor rows whose
-        recent drafts were all rejected, until their backoff ends (:func:`minivllm.spec_decode.backoff_steps`)."""
+        recent drafts were all rejected, until their backoff ends (:func:`minivllm.spec_decode.backoff_steps`).
+        A constrained row's drafts are cut where its grammar refuses one (chapter 19)."""
         if n != 1 or seq.status is not S.RUNNING or seq.params.logprobs is not None:
             return []
         if self.step_index < seq.draft_resume_step:
@@ -300,7 +301,10 @@ class Scheduler:
                    self.max_model_len - seq.num_tokens - 1)
         if room <= 0:
             return []
-        return propose_ngram(seq.token_ids, room, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        drafts = propose_ngram(seq.token_ids, room, self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        if drafts and seq.grammar is not None:  # drafts its grammar refuses would be rejected: not worth a slot
+            drafts = seq.grammar.valid_prefix(drafts)
+        return drafts
 
     def schedule_swapped(self, out: SchedulerOutput) -> None:
         """Bring swapped-out sequences back, oldest first, while their blocks and their chunk fit."""
@@ -436,6 +440,11 @@ class Scheduler:
         self._copied_into.append(child)
 
     def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> None:
+        """Append one sampled token, advance the sample's grammar by it (chapter 19), apply the stop rules."""
+        if seq.grammar is not None and not seq.grammar.accept(token):  # a sampler that ignored the mask
+            seq.error = f"token {token} is not allowed by the request's structured_outputs constraint here"
+            self.finish(seq, S.FINISHED_ERROR)
+            return
         seq.output_token_ids.append(token)
         if logprobs is not None:
             seq.output_logprobs.append(logprobs)
@@ -457,6 +466,8 @@ class Scheduler:
             return S.FINISHED_STOPPED
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return S.FINISHED_LENGTH
+        if seq.grammar is not None and seq.grammar.is_terminated():  # its grammar ended (EOS, even with ignore_eos)
+            return S.FINISHED_STOPPED
         return None
 
 

@@ -107,6 +107,9 @@ class Sequence:
         self.new_token_count = 1  # output tokens the latest step appended (up to k + 1 with drafts, chapter 17)
         self.draft_misses = 0  # drafts in a row with no token accepted (chapter 17's backoff)
         self.draft_resume_step = 0  # the first scheduler step at which it may be drafted again
+        # Its constraint's matcher (chapter 19), advanced by each appended token; kept when it is preempted (by
+        # recompute or swap: its output tokens are kept, so the grammar's state after them still holds).
+        self.grammar = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -144,6 +147,8 @@ class Sequence:
     def drop_last_tokens(self, count: int) -> None:
         """Forget the last ``count`` output tokens (after a stop string inside a run of accepted drafts, chapter 17)."""
         if count:
+            if self.grammar is not None:  # the matcher forgets them too (chapter 19)
+                self.grammar.rollback(count)
             del self.output_token_ids[-count:], self.metrics.token_times[-count:]
             self.metrics.num_output_tokens -= count
             self.new_token_count -= count

@@ -6,6 +6,8 @@ engine (``LLM.generate``) on the same weights. The load, shutdown, backpressure
 and failure tests run their own servers (test_serving_load.py).
 """
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -136,6 +138,84 @@ def test_n_seeded_samples_and_logprobs_match_the_offline_engine(api, offline):
     assert all(len(e.top_logprobs) == 2 for e in chat.choices[0].logprobs.content)
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"]}}}
+PERSON = {"type": "object", "required": ["name", "age"],
+          "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer", "minimum": 0,
+                                                                              "maximum": 150}}}
+
+
+def test_response_format_gives_json_valid_against_the_schema_as_the_offline_engine(api, offline):
+    import jsonschema
+
+    from minivllm import StructuredOutputsParams
+
+    message = "Describe a person as JSON with their name and age."
+    want = reference(offline, {"prompt_token_ids": chat_prompt_ids(offline.get_tokenizer(), message)},
+                     temperature=0.0, max_tokens=40,
+                     structured_outputs=StructuredOutputsParams(json=PERSON, disable_any_whitespace=True))
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": message}], max_tokens=40,
+                                    temperature=0, response_format=fmt)
+    assert r.choices[0].message.content == want.text and r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(want.text), PERSON)
+    for seed in range(3):  # sampled too
+        r = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": message}], max_tokens=40,
+                                        temperature=1.0, seed=seed, response_format=fmt)
+        jsonschema.validate(json.loads(r.choices[0].message.content), PERSON)
+    mode = api.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=12, temperature=0,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    assert mode.choices[0].text.startswith("{")
+    choice = api.completions.create(model=MODEL, prompt="Is the sky blue? Answer:", max_tokens=4, temperature=0,
+                                    extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
+
+
+def streamed_calls(chunks) -> tuple[dict[int, dict], list[str]]:
+    """Tool calls put together from their stream deltas (as a client does), and the finish reasons."""
+    calls, reasons = {}, []
+    for chunk in chunks:
+        for c in chunk.choices:
+            reasons += [c.finish_reason] if c.finish_reason else []
+            for d in c.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = d.id or call["id"]
+                call["name"] = (d.function.name if d.function else None) or call["name"]
+                call["arguments"] += (d.function.arguments or "") if d.function else ""
+    return calls, reasons
+
+
+def test_tool_calls_named_and_required_come_back_as_tool_calls_streamed_or_not(api):
+    import jsonschema
+
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0, tools=[WEATHER, TIME])
+    r = api.chat.completions.create(tool_choice=named, **kwargs)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert r.choices[0].finish_reason == "stop"
+    calls, reasons = streamed_calls(api.chat.completions.create(tool_choice=named, stream=True, **kwargs))
+    assert list(calls) == [0] and calls[0]["name"] == "get_weather" and calls[0]["id"]
+    assert calls[0]["arguments"] == call.function.arguments and reasons == ["stop"]
+
+    r = api.chat.completions.create(tool_choice="required", parallel_tool_calls=False, **kwargs)
+    (call,) = r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+    tool = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    calls, reasons = streamed_calls(api.chat.completions.create(tool_choice="required", parallel_tool_calls=False,
+                                                                stream=True, **kwargs))
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [(call.function.name, call.function.arguments)]
+    assert reasons == ["tool_calls"]
+
+
 COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 4}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
 BAD = [  # (path, body, the param the 400 names)
@@ -164,6 +244,24 @@ BAD = [  # (path, body, the param the 400 names)
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [WEATHER]}, "tool_choice"),  # "auto", the default: refused
+    ("/v1/chat/completions", {**CHAT, "tools": [WEATHER], "tool_choice": "auto"}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, "tool_choice"),  # no tools
+    ("/v1/chat/completions", {**CHAT, "tools": [WEATHER],
+                              "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objec"}}}], "tool_choice": "required"}, "tools"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "objec"}}}}, "response_format"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"},
+                              "tools": [WEATHER], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/completions", {**COMPLETION, "response_format": {"type": "json_object"},
+                         "structured_outputs": {"regex": "[0-9]+"}}, "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"regex": "(ab"}}, "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"regexp": "[0-9]+"}}, "structured_outputs"),
+    ("/v1/completions", {**COMPLETION, "structured_outputs": {"choice": "yes"}}, "structured_outputs"),
     ("/tokenize", {"model": MODEL}, "prompt"),
     ("/detokenize", {"model": MODEL, "tokens": [-5]}, "tokens"),
 ]

@@ -2,7 +2,7 @@
 
 ``minivllm.bench`` re-exports every module's ``__all__``, so chapters write
 ``from minivllm.bench import replay, percentile``. ``python -m minivllm.bench
-[interference|shared-prefix|preemption|serving|kv-offload|disaggregation|speculative|peers|contention]`` runs a
+[interference|shared-prefix|preemption|serving|kv-offload|disaggregation|speculative|structured|peers|contention]`` runs a
 chapter's experiment.
 """
 
@@ -10,7 +10,7 @@ import sys
 
 from minivllm.bench import (baselines, contention, disaggregation, front_end, harness, interference, kv_offload,
                             metrics, online, peers, preemption, server_process, serving_sweep, shared_prefix,
-                            speculative, throughput, timing, trace, workloads)
+                            speculative, structured, throughput, timing, trace, workloads)
 from minivllm.bench.baselines import *  # noqa: F401,F403
 from minivllm.bench.contention import *  # noqa: F401,F403
 from minivllm.bench.disaggregation import *  # noqa: F401,F403
@@ -27,6 +27,7 @@ from minivllm.bench.server_process import *  # noqa: F401,F403
 from minivllm.bench.serving_sweep import *  # noqa: F401,F403
 from minivllm.bench.shared_prefix import *  # noqa: F401,F403
 from minivllm.bench.speculative import *  # noqa: F401,F403
+from minivllm.bench.structured import *  # noqa: F401,F403
 from minivllm.bench.throughput import *  # noqa: F401,F403
 from minivllm.bench.timing import *  # noqa: F401,F403
 from minivllm.bench.trace import *  # noqa: F401,F403
@@ -35,14 +36,15 @@ from minivllm.simulator import SimTrace, sim_sequence, simulate_schedule  # chap
 
 __all__ = [name for module in (timing, metrics, workloads, baselines, trace, harness, throughput, interference,
                                shared_prefix, preemption, online, server_process, serving_sweep, kv_offload,
-                               disaggregation, speculative, peers, contention, front_end)
+                               disaggregation, speculative, structured, peers, contention, front_end)
            for name in module.__all__]
 __all__ += ["SimTrace", "sim_sequence", "simulate_schedule", "SUBCOMMANDS", "main"]
 
 _EXPERIMENTS = {"interference": interference.interference_main, "shared-prefix": shared_prefix.shared_prefix_main,
                 "preemption": preemption.preemption_main, "serving": serving_sweep.serving_sweep_main,
                 "kv-offload": kv_offload.kv_offload_main, "disaggregation": disaggregation.disaggregation_main,
-                "speculative": speculative.speculative_main, "peers": peers.peers_main,
+                "speculative": speculative.speculative_main, "structured": structured.structured_main,
+                "peers": peers.peers_main,
                 "contention": contention.contention_main}
 
 

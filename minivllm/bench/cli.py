@@ -190,4 +190,4 @@ def _same_outputs(traces) -> bool:
 
 
 SUBCOMMANDS = ("interference", "shared-prefix", "preemption", "serving", "kv-offload", "disaggregation",
-               "speculative", "peers", "contention")  # python -m minivllm.bench NAME (bench/__init__)
+               "speculative", "structured", "peers", "contention")  # python -m minivllm.bench NAME (bench/__init__)

@@ -331,7 +331,11 @@ class DisaggregatedEngine(LLMEngine):
 
     # -- LLMEngine's API -----------------------------------------------------------------------
     def validate_request(self, request_id, prompt, params, priority=0, arrival_time=None):
-        """LLMEngine's checks, and what the two workers cannot split: one sample, no logprobs."""
+        """LLMEngine's checks, and what the two workers cannot split: one sample, no logprobs, no constraint (the
+        prefill worker samples the first token, the decode worker the rest: one matcher cannot span the two)."""
+        check(not isinstance(params, SamplingParams) or params.structured_outputs is None, "structured_outputs",
+              "None with disaggregated=True (a constrained request runs on an engine without it)",
+              getattr(params, "structured_outputs", None))
         text, ids = super().validate_request(request_id, prompt, params, priority, arrival_time)
         check(params.n == 1, "n", "1 with disaggregated=True (one sample per request)", params.n)
         check(params.logprobs is None, "logprobs", "None with disaggregated=True", params.logprobs)

@@ -26,7 +26,7 @@ from minivllm.serving.async_llm import (AsyncLLM, EngineRestarting, QueueFull, R
                                        ServerShuttingDown)
 from minivllm.serving.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, bad_request)
-from minivllm.serving.responses import DONE, ChatFormat, CompletionFormat, StreamState, sse
+from minivllm.serving.responses import DONE, ChatFormat, CompletionFormat, StreamState, ToolCallFormat, sse
 from minivllm.timing import now
 
 __all__ = ["OpenAIServing"]
@@ -67,6 +67,16 @@ class OpenAIServing:
             raise bad_request(e, aliases) from None
         return ids
 
+    async def compiled(self, params: SamplingParams, field: str) -> None:
+        """Compile the request's constraint (chapter 19) in a worker thread, off the event loop and the engine loop
+        (cached: queueing it then finds it); a constraint that fails is a 400 naming ``field``."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.compile_constraint, params)
+        except ValueError as e:
+            raise APIError(400, str(e).replace("structured_outputs", field, 1), field) from None
+
     def submit(self, prompt, params: SamplingParams, aliases: dict[str, str], arrival: float) -> RequestStream:
         """Queue the request, or the error the client gets: 400 (bad input), 429 (queue full), 503 (draining)."""
         try:
@@ -100,6 +110,7 @@ class OpenAIServing:
         body.check_supported()
         prompt = body.one_prompt()
         params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs, {})
+        await self.compiled(params, body.constraint_field())
         stream = self.submit(await self.checked_ids(prompt, params, {}), params, {}, arrival)
         state = StreamState(CompletionFormat(body.logprobs), self.model_name, body.include_usage)
         return await self.respond(stream, state, body.stream, params.n, request)
@@ -114,8 +125,11 @@ class OpenAIServing:
         short = len(body.messages) <= 64 and sum(len(m.for_template()["content"]) for m in body.messages) < INLINE_LEN
         ids = self.chat_prompt(body.messages) if short else await asyncio.to_thread(self.chat_prompt, body.messages)
         params = body.sampling_params(self.default_max_tokens(len(ids)) if wanted is None else wanted, k, aliases)
+        await self.compiled(params, body.constraint_field())
         stream = self.submit(await self.checked_ids(ids, params, aliases), params, aliases, arrival)
-        state = StreamState(ChatFormat(k), self.model_name, body.include_usage)
+        call = body.tool_call()
+        fmt = ChatFormat(k) if call is None else ToolCallFormat(k, call[1])
+        state = StreamState(fmt, self.model_name, body.include_usage)
         return await self.respond(stream, state, body.stream, params.n, request)
 
     async def respond(self, stream: RequestStream, state: StreamState, streaming: bool, n: int, request: Request):

@@ -14,7 +14,7 @@ import uuid
 
 from minivllm.outputs import CompletionOutput, RequestOutput
 
-__all__ = ["usage", "sse", "DONE", "CompletionFormat", "ChatFormat", "StreamState"]
+__all__ = ["usage", "sse", "DONE", "CompletionFormat", "ChatFormat", "ToolCallFormat", "StreamState"]
 
 DONE = "data: [DONE]\n\n"
 
@@ -100,6 +100,71 @@ class ChatFormat(CompletionFormat):
                             for t, step in zip(c.token_ids[start:], c.logprobs[start:])]}
 
 
+class ToolCallFormat(ChatFormat):
+    """A chat reply forced to call a tool (chapter 19): ``message.tool_calls``, each call's arguments a JSON string.
+
+    Named (``tool_choice`` naming a function): the reply is that function's
+    arguments, streamed as ``tool_calls[0].function.arguments`` deltas after a
+    first delta with the call's id and name; finish reason as the engine's. "required": the reply is a JSON list
+    of ``{"name", "parameters"}``, given as calls once whole (streamed in one delta at the end), finish reason
+    "tool_calls"; cut short (``length``) it cannot be parsed and comes back as ``content``.
+    """
+
+    def __init__(self, num_logprobs: int | None, named: str | None):
+        super().__init__(num_logprobs)
+        self.named = named  # the function a named tool_choice forces; None: "required"
+        self.ids: dict[tuple[int, int], str] = {}
+
+    def call_id(self, choice: int, i: int) -> str:
+        return self.ids.setdefault((choice, i), f"call_{uuid.uuid4().hex[:24]}")
+
+    def calls(self, c: CompletionOutput) -> list[dict] | None:
+        """The reply's calls, or None when it is not a whole list of them ("required" cut short)."""
+        if self.named is not None:
+            return [self._call(c.index, 0, self.named, c.text)]
+        try:  # the grammar made it a list of calls, unless max_tokens or a stop string cut it short
+            return [self._call(c.index, i, item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+                    for i, item in enumerate(json.loads(c.text))]
+        except (ValueError, RecursionError, TypeError, KeyError):
+            return None
+
+    def _call(self, choice: int, i: int, name: str, arguments: str) -> dict:
+        return {"id": self.call_id(choice, i), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+    def finish_reason(self, c: CompletionOutput, calls) -> str | None:
+        return "tool_calls" if self.named is None and calls is not None and c.finish_reason == "stop" \
+            else c.finish_reason
+
+    def choice(self, c: CompletionOutput) -> dict:
+        calls = self.calls(c)
+        message = {"role": "assistant", "content": c.text} if calls is None else \
+            {"role": "assistant", "content": None, "tool_calls": calls}
+        return {"index": c.index, "message": message, "logprobs": self.logprobs(c, 0),
+                "finish_reason": self.finish_reason(c, calls), "stop_reason": c.stop_reason}
+
+    def delta(self, c: CompletionOutput) -> dict | None:
+        if self.named is not None:
+            start = len(c.token_ids) - len(c.delta_token_ids)
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": c.delta_text}}]} if c.delta_text else {}
+            return {"index": c.index, "delta": delta, "logprobs": self.logprobs(c, start),
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if not c.finish_reason:
+            return None  # "required": the list is given whole, at the end
+        calls = self.calls(c)
+        delta = {"content": c.text} if calls is None else \
+            {"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]}
+        return {"index": c.index, "delta": delta, "logprobs": self.logprobs(c, 0),
+                "finish_reason": self.finish_reason(c, calls), "stop_reason": c.stop_reason}
+
+    def first_deltas(self, n: int) -> list[dict]:
+        firsts = super().first_deltas(n)
+        if self.named is not None:
+            for d in firsts:
+                d["delta"]["tool_calls"] = [{"index": 0, "id": self.call_id(d["index"], 0), "type": "function",
+                                             "function": {"name": self.named, "arguments": ""}}]
+        return firsts
+
+
 class StreamState:
     """One response's id, format and which choices have already sent their finish reason."""
 
@@ -122,9 +187,12 @@ class StreamState:
         for c in out.outputs:
             if c.index in self.done or not (c.delta_token_ids or c.delta_text or c.finish_reason):
                 continue
+            choice = self.fmt.delta(c)
+            if choice is None:  # nothing to send yet (a "required" tool call is sent whole)
+                continue
             if c.finish_reason:
                 self.done.add(c.index)
-            choices.append(self.fmt.delta(c))
+            choices.append(choice)
         return choices
 
     def usage_chunk(self, out: RequestOutput) -> dict:

@@ -1,0 +1,303 @@
+"""Structured outputs (chapter 19): the constraint's validation, the bitmask against xgrammar's own, valid JSON for
+every request of a JSON-schema workload (greedy and sampled; with speculation, preemption by recompute and swap,
+n = 3, prefix caching, tensor parallelism), unconstrained rows untouched, "length" for output cut short, EOS only
+where the grammar ends, logprobs of the masked distribution, and the refusals.
+
+The mask guarantees validity on any model, so the seeded random model is the oracle for "valid" (its schema bounds
+every string and number, so each answer fits in ``MAX_TOKENS``); SmolLM2 shows the answers are sensible."""
+
+import json
+import re
+import sys
+
+import jsonschema
+import pytest
+import torch
+
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
+from minivllm.sampler import apply_token_bitmask, mask_logits
+from minivllm.sequence import Sequence
+from minivllm.structured_output import INSTALL, MAX_CHOICES, bitmask_words
+
+from helpers import run_engine
+
+xgr = pytest.importorskip("xgrammar")  # the README's commands install it; without it only the refusal is tested
+
+SCHEMA = {"type": "object",
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "city": {"enum": ["Paris", "Oslo", "Lima"]}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+COMPACT = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+MAX_TOKENS = 64
+NAMES = ["Ann", "Bo", "Cy", "Di", "Ed", "Flo", "Gus", "Hal"]
+PREFIX = "People, one JSON object each, as in the examples. "  # shared by every prompt: prefix-cache hits
+
+
+def workload_prompts(tok, n: int = 32) -> list[list[int]]:
+    """Prompts with a JSON example in them (so prompt lookup drafts JSON), sharing a first block or two."""
+    return [tok(PREFIX + f'Example: {{"name": "{NAMES[i % 8]}", "age": {20 + i}, "city": "Oslo"}}. Person {i}:')
+            ["input_ids"] for i in range(n)]
+
+
+def assert_valid(texts, schema=SCHEMA):
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+
+
+def run(llm, prompts, params, all_samples=False):
+    requests = [(f"r{i}", ids, params) for i, ids in enumerate(prompts)]
+    return run_engine(llm, requests, all_samples=all_samples)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm():
+    return LLM("tiny-random", num_blocks=256, max_num_seqs=16, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_llm):
+    return workload_prompts(tiny_llm.get_tokenizer())
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(tiny_llm, prompts):
+    """The workload greedy and sampled (seeded) on the engine with nothing else on: the reference."""
+    return {kind: run(tiny_llm, prompts, params(kind)) for kind in ("greedy", "sampled")}
+
+
+def params(kind: str, **kw) -> SamplingParams:
+    sampling = dict(temperature=0.0) if kind == "greedy" else dict(temperature=1.0, top_p=0.9, seed=7)
+    return SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=COMPACT, **sampling, **kw)
+
+
+def texts(llm, outputs) -> list[str]:
+    tok = llm.get_tokenizer()
+    return [tok.decode(ids, skip_special_tokens=True) for ids in outputs.values()]
+
+
+# -- the request side ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields,message", [
+    (dict(), r"structured_outputs must be exactly one of json, regex, choice, grammar, json_object=True, got \[\]"),
+    (dict(json=SCHEMA, regex="a"), r"exactly one of .* got \['json', 'regex'\]"),
+    (dict(json="{not json"), r"structured_outputs.json must be a JSON schema, but it is not JSON"),
+    (dict(json=[1, 2]), r"structured_outputs.json must be a JSON schema \(an object"),
+    (dict(json={"type": "objec"}), r"structured_outputs.json must be a JSON schema xgrammar supports: .*objec"),
+    (dict(json={"x": float("nan")}), r"structured_outputs.json must be a JSON schema, but it cannot be written"),
+    (dict(regex="(ab"), r"structured_outputs.regex must be a valid regex: .*parenthesis"),
+    (dict(regex=""), r"structured_outputs.regex must be a non-empty string"),
+    (dict(choice=[]), r"structured_outputs.choice must be a non-empty list of non-empty strings"),
+    (dict(choice=["a", 3]), r"structured_outputs.choice must be"),
+    (dict(choice=["a"] * (MAX_CHOICES + 1)), rf"structured_outputs.choice must be at most {MAX_CHOICES} strings"),
+    (dict(grammar="root ::= undefined_rule"), r"structured_outputs.grammar must be a valid EBNF grammar: .*undefined"),
+    (dict(grammar="\ud800"), r"structured_outputs.grammar must be a non-empty EBNF grammar"),
+    (dict(json_object="yes"), r"structured_outputs.json_object must be None, True or False"),
+    (dict(json_object=True, disable_any_whitespace=1), r"structured_outputs.disable_any_whitespace must be True"),
+    (dict(regex="a" * 70000), r"structured_outputs.regex must be at most 65536 characters"),
+])
+def test_bad_constraints_are_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**fields)
+
+
+def test_sampling_params_take_only_a_constraint_object_and_keep_it_as_checked():
+    with pytest.raises(ValueError, match="structured_outputs must be None or a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"json": SCHEMA})
+    schema = json.loads(json.dumps(SCHEMA))
+    so = StructuredOutputsParams(json=schema)
+    schema["properties"]["name"]["maxLength"] = "broken"  # changed after the check: the engine compiles the key
+    assert '"maxLength": 6' in so.key[1]
+    with pytest.raises(AttributeError):  # frozen
+        so.regex = "a"
+    for kind, value in [("regex", "[0-9]+"), ("choice", ["yes", "no"]), ("grammar", 'root ::= "a" | "b"'),
+                        ("json_object", True), ("json", json.dumps(SCHEMA))]:
+        assert StructuredOutputsParams(**{kind: value}).kind == kind
+
+
+def test_without_xgrammar_a_constraint_says_what_to_install_and_the_rest_works(monkeypatch, tiny_llm):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar now raises ImportError
+    with pytest.raises(ValueError, match=r"structured_outputs needs the xgrammar package.*" + re.escape(INSTALL)):
+        StructuredOutputsParams(regex="[0-9]+")
+    out = tiny_llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_request_whose_params_were_broken_after_the_check_queues_nothing(tiny_llm):
+    p = SamplingParams(max_tokens=4)
+    p.structured_outputs = "regex: [0-9]+"  # set after the check: validate_request checks the params again
+    with pytest.raises(ValueError, match="structured_outputs must be None or a StructuredOutputsParams"):
+        tiny_llm.generate(["Hello", "there"], [SamplingParams(max_tokens=4), p], use_tqdm=False)
+    assert not tiny_llm.engine.requests and not tiny_llm.engine.scheduler.has_unfinished()
+
+
+def test_the_disaggregated_engine_refuses_a_constraint_before_anything_else():
+    from minivllm.disaggregation import DisaggregatedEngine
+
+    with pytest.raises(ValueError, match="structured_outputs must be None with disaggregated=True"):
+        DisaggregatedEngine.validate_request(None, "r", "Hello", params("greedy"))
+
+
+# -- the mask --------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [64, 100, 49152])
+def test_the_bitmask_reference_matches_xgrammar_and_the_engines_kernel(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (5, bitmask_words(vocab)), dtype=torch.int32, generator=g)
+    rows = [4, 0, 2]
+    ours, fast, theirs = logits.clone(), logits.clone(), logits.clone()
+    apply_token_bitmask(ours, bitmask, rows)
+    mask_logits(fast, bitmask, rows)
+    xgr.apply_token_bitmask_inplace(theirs, bitmask, vocab_size=vocab, indices=rows, backend="torch_native")
+    assert torch.equal(ours, theirs) and torch.equal(fast, theirs)
+    assert torch.equal(ours[[1, 3]], logits[[1, 3]])  # rows without a mask untouched
+    assert ours.isinf().any(1).tolist() == [True, False, True, False, True]
+    token = 32 * 1 + 5  # bit 5 of word 1, least significant first
+    single = torch.zeros(1, bitmask_words(vocab), dtype=torch.int32)
+    single[0, 1] = 1 << 5
+    one = logits[:1].clone()
+    apply_token_bitmask(one, single, [0])
+    assert one[0].isfinite().nonzero().flatten().tolist() == [token]
+
+
+def test_a_sample_dropping_tokens_rolls_its_matcher_back(tiny_llm):
+    grammar = tiny_llm.engine.grammar_backend().grammar(StructuredOutputsParams(regex="[a-z]+"))
+    seq = Sequence("r", [1, 2], SamplingParams())
+    seq.grammar = grammar
+    tok = tiny_llm.get_tokenizer()
+    for t in tok("abc def")["input_ids"][:1]:
+        assert grammar.accept(t)
+        seq.output_token_ids.append(t)
+        seq.metrics.token_times.append(0.0)
+    seq.drop_last_tokens(1)
+    assert grammar.num_accepted == 0 and not grammar.is_completed()
+
+
+# -- the engine: valid output, exactly ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_every_request_of_the_workload_is_valid_json_and_compiles_once(tiny_llm, plain_outputs, kind):
+    outputs = plain_outputs[kind]
+    assert len(outputs) == 32
+    assert_valid(texts(tiny_llm, outputs))
+    backend = tiny_llm.engine.grammar_backend()
+    compiled = backend.num_compiled
+    again = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(json=SCHEMA,
+                                                                                    disable_any_whitespace=True))
+    tiny_llm.generate(["Hello", "Hi"], again, use_tqdm=False)
+    assert backend.num_compiled == compiled  # an equal constraint, made anew, is found in the cache
+
+
+SETTINGS = {
+    "speculation": dict(speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                            "prompt_lookup_min": 2, "prompt_lookup_max": 4}),
+    "recompute": dict(num_blocks=24, max_num_seqs=8, preemption_mode="recompute"),
+    "swap": dict(num_blocks=24, max_num_seqs=8, preemption_mode="swap", num_cpu_blocks=64),
+    "prefix_caching": dict(enable_prefix_caching=True, enable_chunked_prefill=True, max_prefill_chunk_size=8),
+}
+
+
+@pytest.mark.parametrize("setting", sorted(SETTINGS))
+def test_valid_and_unchanged_with_speculation_preemption_and_prefix_caching(setting, prompts, plain_outputs):
+    llm = LLM("tiny-random", device="cpu", **{"num_blocks": 256, "max_num_seqs": 16, **SETTINGS[setting]})
+    for kind in ("greedy", "sampled"):
+        outputs = run(llm, prompts, params(kind))
+        assert_valid(texts(llm, outputs))
+        if kind == "greedy" or setting != "speculation":  # rejection sampling draws other random numbers
+            assert outputs == plain_outputs[kind], kind
+    stats = llm.engine.stats()
+    seen = {"speculation": stats.spec_decode_num_accepted_tokens if setting == "speculation" else 0,
+            "recompute": stats.num_recomputed_tokens, "swap": stats.num_swapped_bytes,
+            "prefix_caching": stats.prefix_cache_hits}[setting]
+    assert seen > 0, f"the workload never exercised {setting}"
+
+
+def test_three_samples_each_have_their_own_matcher(tiny_llm, prompts):
+    outputs = run(tiny_llm, prompts[:12], params("sampled", n=3), all_samples=True)
+    tok = tiny_llm.get_tokenizer()
+    samples = [tok.decode(ids, skip_special_tokens=True) for per_request in outputs.values() for ids in per_request]
+    assert len(samples) == 36
+    assert_valid(samples)
+    assert len(set(samples)) > 12  # the samples of a request differ
+
+
+def test_tensor_parallel_masks_once_where_the_logits_are(prompts, plain_outputs):
+    with LLM("tiny-random", device="cpu", num_blocks=256, max_num_seqs=16, tensor_parallel_size=2) as llm:
+        outputs = run(llm, prompts[:8], params("greedy"))
+    assert outputs == {rid: plain_outputs["greedy"][rid] for rid in outputs}
+
+
+def test_unconstrained_rows_in_a_mixed_batch_give_the_tokens_they_give_alone(tiny_llm, prompts):
+    plain = SamplingParams(temperature=0.0, max_tokens=24)
+    mixed = run_engine(tiny_llm, [(f"r{i}", ids, plain if i % 2 == 0 else params("greedy"))
+                                  for i, ids in enumerate(prompts[:8])])
+    for i in range(0, 8, 2):
+        assert mixed[f"r{i}"] == run(tiny_llm, [prompts[i]], plain)["r0"]
+
+
+# -- where the output ends ---------------------------------------------------------------------------------------------
+def test_output_cut_short_by_max_tokens_ends_with_length(tiny_llm):
+    long_choice = StructuredOutputsParams(choice=["x" * 200])
+    endless = StructuredOutputsParams(grammar='root ::= "ab" root')
+    for so in (long_choice, endless):
+        (out,) = tiny_llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=5, structured_outputs=so),
+                                   use_tqdm=False)
+        assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 5
+        assert out.outputs[0].text.startswith("x") or out.outputs[0].text.startswith("ab")
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_eos_comes_only_where_the_grammar_may_end(tiny_llm, ignore_eos):
+    so = StructuredOutputsParams(regex="[0-9]{3}")
+    outs = tiny_llm.generate(["Hello", "A number:", "x"], SamplingParams(temperature=1.0, seed=3, max_tokens=32,
+                                                                          structured_outputs=so, ignore_eos=ignore_eos),
+                             use_tqdm=False)
+    eos = tiny_llm.get_tokenizer().eos_token_id
+    for out in outs:
+        c = out.outputs[0]
+        assert len(c.text) == 3 and c.text.isdigit() and c.finish_reason == "stop"
+        assert c.token_ids[-1] == eos  # the grammar's end: the only token it allowed after three digits
+
+
+def test_logprobs_are_the_masked_distributions(tiny_llm):
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    (out,) = tiny_llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8, logprobs=20,
+                                                         structured_outputs=so), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.text in ("yes", "no")
+    for token, step in zip(c.token_ids, c.logprobs):
+        assert len(step) < 20  # only the tokens the grammar allows are candidates
+        total = sum(torch.tensor(lp.logprob).exp().item() for lp in step.values())
+        assert abs(total - 1.0) < 1e-4, step  # the mass is all on them: renormalised after the mask
+        assert step[token].rank == 1  # greedy takes the masked argmax
+
+
+def test_smollm2_answers_chat_prompts_with_sensible_valid_json():
+    llm = LLM("smollm2-135m", device="cpu", num_blocks=128)
+    tok = llm.get_tokenizer()
+    schema = {"type": "object", "required": ["name", "age"],
+              "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 150}}}
+    questions = ["Describe a person as JSON with their name and age.", "Who is Ada Lovelace? Answer in JSON.",
+                 "Invent a character for a story (name, age).", "Tell me about a famous painter."]
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+               for q in questions]
+    compact = StructuredOutputsParams(json=schema, disable_any_whitespace=True)  # else it stalls in newlines
+    constrained = SamplingParams(temperature=0, max_tokens=48, structured_outputs=compact)
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    outs = llm.generate(prompts + prompts, [constrained] * 4 + [plain] * 4, use_tqdm=False)
+    assert_valid([o.outputs[0].text for o in outs[:4]], schema)
+    for o in outs[:4]:
+        assert json.loads(o.outputs[0].text)["name"].strip(), o.outputs[0].text  # a name, not an empty string
+    alone = llm.generate(prompts, plain, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[4:]] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_the_structured_benchmark_reports_validity_and_the_grammars_share(tiny_llm, capsys):
+    from minivllm.bench import run_structured, structured_main, structured_prompts
+
+    prompts = structured_prompts(tiny_llm.get_tokenizer(), 3)
+    on = run_structured(tiny_llm, prompts, 160, constrained=True)
+    off = run_structured(tiny_llm, prompts, on["lengths"], constrained=False)
+    assert on["valid"] == 1.0 and off["valid"] == 0.0 and off["lengths"] == on["lengths"]
+    assert on["grammar_ms_per_step"] > 0 and 0 < on["grammar_share"] < 1 and off["grammar_share"] == 0
+    assert structured_main(["--model", "tiny-random", "--batch-sizes", "2", "--output-tokens", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[:2] == ["2", "on"] for line in lines) and any("TPOT on/off" in line for line in lines)
