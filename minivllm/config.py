@@ -157,8 +157,9 @@ class EngineConfig:
     ``sampler``, ``detokenizer`` (the incremental detokenizer class),
     ``offload_tier_cls`` (the CPU tier's bookkeeping, chapter 14),
     ``graph_runner_cls`` (the static buffers of decode steps replayed as CUDA
-    graphs, chapter 12) and ``spec_acceptor_cls`` (what a verified draft keeps
-    and the rollback of the rest, chapter 17) take a class or its dotted name; ``shard_weight``
+    graphs, chapter 12), ``spec_acceptor_cls`` (what a verified draft keeps
+    and the rollback of the rest, chapter 17) and ``grammar_masker_cls`` (the
+    constrained rows' bitmasks on the logits, chapter 19) take a class or its dotted name; ``shard_weight``
     (rank r's shard of a checkpoint tensor, chapter 15) a function or its
     dotted name, None for minivllm's own slicing; ``kv_handoff_cls`` (who
     frees a transfer's blocks when, and the fingerprint check, in the
@@ -248,6 +249,7 @@ class EngineConfig:
     offload_tier_cls: type | str = "minivllm.kv_tier.MiniOffloadTier"
     graph_runner_cls: type | str = "minivllm.cuda_graphs.MiniDecodeGraphRunner"
     spec_acceptor_cls: type | str = "minivllm.spec_decode.MiniSpecAcceptor"
+    grammar_masker_cls: type | str = "minivllm.sampler.MiniGrammarMasker"
     shard_weight: object = None  # None: minivllm's own slicing; else a function or its dotted name (chapter 15)
     kv_handoff_cls: object = None  # None: minivllm's KVHandoff; else what builds one, or its dotted name (chapter 16)
 
@@ -293,7 +295,7 @@ class EngineConfig:
         """Every class extension point resolves to a class, ``shard_weight`` and ``kv_handoff_cls`` to None or a
         callable that takes the arguments it is called with."""
         for name in ("scheduler_cls", "block_manager_cls", "attention_backend", "sampler", "detokenizer",
-                     "offload_tier_cls", "graph_runner_cls", "spec_acceptor_cls"):
+                     "offload_tier_cls", "graph_runner_cls", "spec_acceptor_cls", "grammar_masker_cls"):
             cls = resolve(getattr(self, name), name)
             left = not_written(cls)  # e.g. the interface an exercise subclasses, named instead of minivllm's own
             check(not left, name, f"a class whose methods are written ({NOT_WRITTEN}: {', '.join(left)}; the default "

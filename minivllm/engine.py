@@ -125,9 +125,11 @@ class LLMEngine:
             acceptor = getattr(self.scheduler, "acceptor", None)  # chapter 17: the greedy acceptance rule
             self.runner = ModelRunner(*args, **tier,
                                       graph_runner_cls=resolve(config.graph_runner_cls),
-                                      accept=acceptor.accept if acceptor is not None else None)
+                                      accept=acceptor.accept if acceptor is not None else None,
+                                      grammar_masker_cls=resolve(config.grammar_masker_cls))
         else:
-            self.runner = TensorParallelRunner(self.workers, *args)
+            self.runner = TensorParallelRunner(self.workers, *args,
+                                               grammar_masker_cls=resolve(config.grammar_masker_cls))
         if config.use_cuda_graphs and self.workers is None:  # decode steps replay CUDA graphs (chapter 12)
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
 

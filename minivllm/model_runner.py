@@ -34,11 +34,10 @@ from minivllm.attention import MiniPagedKVCache, PagedBatch
 from minivllm.block_manager import slots
 from minivllm.cpu_malloc import keep_freed_memory
 from minivllm.cuda_graphs import DecodeGraphRunner, MiniDecodeGraphRunner
-from minivllm.sampler import MiniSampler, SamplerOutput, mask_logits, verify_drafts
+from minivllm.sampler import MiniGrammarMasker, MiniSampler, SamplerOutput, verify_drafts
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
 from minivllm.spec_decode import accept_greedy
-from minivllm.structured_output import bitmask_words
 
 
 def _noop_mark(name: str) -> None:
@@ -63,8 +62,9 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  kv_cache_cls=MiniPagedKVCache, sampler=None, num_offload_blocks: int = 0,
-                 graph_runner_cls=MiniDecodeGraphRunner, accept=None):
+                 graph_runner_cls=MiniDecodeGraphRunner, accept=None, grammar_masker_cls=MiniGrammarMasker):
         self.model = model
+        self.grammar_masker = grammar_masker_cls()  # an extension point (exercise 19): the grammars' masks
         self.accept = accept or accept_greedy  # a greedy row's acceptance rule (chapter 17's SpecAcceptor.accept)
         self.graph_runner_cls = graph_runner_cls  # an extension point (exercise 12): what enable_decode_graphs builds
         self.device = model.lm_head.weight.device
@@ -158,25 +158,14 @@ class ModelRunner:
         back (only the tokens ``update`` appends advance it for good). Past a
         draft the grammar refuses (or its end) the rows are left whole: that
         draft is rejected at its own position, where its mask forbids it.
+        The runner's ``grammar_masker`` does it (an extension point, exercise
+        19: minivllm's own is :class:`~minivllm.sampler.MiniGrammarMasker`).
         """
         rows = self.grammar_rows(chunks)
         if not rows:
             return False
         mark("sample")
-        bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)  # all allowed
-        index = []
-        for first, grammar, drafts in rows:
-            advanced = 0
-            try:
-                for i in range(len(drafts) + 1):
-                    if advanced == i and not grammar.is_terminated():
-                        grammar.fill_bitmask(bitmask, first + i)
-                    index.append(first + i)
-                    if i < len(drafts) and advanced == i and grammar.accept(drafts[i]):
-                        advanced += 1
-            finally:
-                grammar.rollback(advanced)
-        mask_logits(logits, bitmask, index)
+        self.grammar_masker(logits, rows)
         mark("grammar")
         return True
 

@@ -23,9 +23,10 @@ import torch
 
 from minivllm.sampling_params import SamplingParams
 from minivllm.spec_decode import accept_greedy
+from minivllm.structured_output import bitmask_words
 
 __all__ = ["Logprob", "SamplerOutput", "Sampler", "MiniSampler", "apply_top_k_top_p", "apply_token_bitmask", "mask_logits", "sample",
-           "top_logprobs", "verify_drafts"]
+           "top_logprobs", "verify_drafts", "GrammarMasker", "MiniGrammarMasker"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,79 @@ def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) ->
         apply_token_bitmask_inplace_cpu(logits, bitmask, logits.shape[-1], rows)
     else:
         apply_token_bitmask(logits, bitmask, rows)
+
+
+class GrammarMasker:
+    """The grammars' masks on a step's logits, before anything samples from them (chapter 19; an extension point,
+    ``EngineConfig(grammar_masker_cls=...)``, built by the model runner).
+
+    The runner calls it with the step's logits and ``rows``: one
+    ``(first, grammar, drafts)`` per constrained sample, ``first`` its
+    logits row, ``grammar`` its matcher (a
+    :class:`~minivllm.structured_output.Grammar`) and ``drafts`` its draft
+    tokens (chapter 17; empty without speculation), whose ``len(drafts) + 1``
+    positions are the logits rows ``first`` to ``first + len(drafts)``. Rows
+    no sample constrains are never given. :meth:`__call__` makes the step's
+    bitmask (every token allowed in every row), has :meth:`fill` write the
+    constrained rows' and :meth:`apply` put them on the logits. The interface:
+    exercise 19 subclasses it and writes both; minivllm's own are
+    :class:`MiniGrammarMasker`'s.
+    """
+
+    def __call__(self, logits: torch.Tensor, rows: list[tuple]) -> None:
+        bitmask = self.new_bitmask(logits.shape[0], logits.shape[-1])
+        index = self.fill(bitmask, rows)
+        if index:
+            self.apply(logits, bitmask, list(index))
+
+    @staticmethod
+    def new_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
+        """``[num_rows, bitmask_words(vocab_size)]`` int32, every bit set (every token allowed), on the CPU, where
+        the matchers write."""
+        return torch.full((num_rows, bitmask_words(vocab_size)), -1, dtype=torch.int32)
+
+    def fill(self, bitmask: torch.Tensor, rows: list[tuple]) -> list[int]:
+        """Write each constrained position's allowed tokens into its row of ``bitmask``; return those rows.
+
+        Position ``i`` of a sample (logits row ``first + i``) follows its
+        first ``i`` drafts: advance the matcher through them
+        (``grammar.accept``, False where the grammar refuses a draft: it did
+        not advance, and the rows after it are left whole, since that draft
+        is rejected at its own position), filling one row per position
+        (``grammar.fill_bitmask(bitmask, row)``, not once terminated), then
+        roll it back (``grammar.rollback``): its state afterwards is what it
+        was, since only the tokens the scheduler appends advance it for good.
+        """
+        raise NotImplementedError("not written yet: GrammarMasker.fill")
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, index: list[int]) -> None:
+        """Set to -inf, in place, the logits of rows ``index`` whose token that row of ``bitmask`` forbids, and
+        leave every other logit exactly as it is. xgrammar's layout: token ``t`` is bit ``t % 32`` (least
+        significant first) of 32-bit word ``t // 32``, set when allowed."""
+        raise NotImplementedError("not written yet: GrammarMasker.apply")
+
+
+class MiniGrammarMasker(GrammarMasker):
+    """minivllm's own (the engine's default ``grammar_masker_cls``): advance, fill and roll back each matcher,
+    then :func:`mask_logits` (xgrammar's C++ kernel on the CPU)."""
+
+    def fill(self, bitmask: torch.Tensor, rows: list[tuple]) -> list[int]:
+        index = []
+        for first, grammar, drafts in rows:
+            advanced = 0
+            try:
+                for i in range(len(drafts) + 1):
+                    if advanced == i and not grammar.is_terminated():
+                        grammar.fill_bitmask(bitmask, first + i)
+                    index.append(first + i)
+                    if i < len(drafts) and advanced == i and grammar.accept(drafts[i]):
+                        advanced += 1
+            finally:
+                grammar.rollback(advanced)
+        return index
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor, index: list[int]) -> None:
+        mask_logits(logits, bitmask, index)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],

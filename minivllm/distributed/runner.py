@@ -18,6 +18,7 @@ from minivllm.attention import MiniPagedKVCache
 from minivllm.distributed import protocol
 from minivllm.distributed.workers import Workers, memory_report
 from minivllm.model_runner import ModelRunner, StepInputs, _noop_mark
+from minivllm.sampler import MiniGrammarMasker
 from minivllm.scheduler import SchedulerOutput
 
 __all__ = ["TensorParallelRunner"]
@@ -27,8 +28,9 @@ class TensorParallelRunner(ModelRunner):
     """A ModelRunner whose every step is also run by the worker ranks (rank 0's side)."""
 
     def __init__(self, workers: Workers, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 kv_cache_cls=MiniPagedKVCache, sampler=None):
-        super().__init__(model, num_blocks, block_size, num_cpu_blocks, kv_cache_cls, sampler)
+                 kv_cache_cls=MiniPagedKVCache, sampler=None, grammar_masker_cls=MiniGrammarMasker):
+        super().__init__(model, num_blocks, block_size, num_cpu_blocks, kv_cache_cls, sampler,
+                         grammar_masker_cls=grammar_masker_cls)
         self.workers = workers
         own = memory_report(self)
         self.rank_memory: list[dict] = workers.guard(lambda: workers.start_pools(num_blocks, num_cpu_blocks, own))
