@@ -30,6 +30,7 @@ from minivllm.exercises.prefix_caching import check_prefix_cache
 from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
 from minivllm.exercises.serving import check_engine_loop
 from minivllm.exercises.spec_decode import check_spec_acceptor
+from minivllm.exercises.structured_output import check_grammar_masker
 from minivllm.exercises.tensor_parallel import check_shard_weight
 from minivllm.exercises.where_time_goes import check_graph_runner
 
@@ -53,4 +54,5 @@ __all__ = [
     "check_kv_handoff",  # 16 prefill/decode disaggregation
     "check_spec_acceptor",  # 17 speculative decoding
     "build_kernels", "check_kernels",  # 18 kernels
+    "check_grammar_masker",  # 19 structured outputs
 ]
