@@ -9,7 +9,8 @@ chapters 06, 09 and 10; the block manager of chapters 04 and 08) are combined
 into one class, so the engine runs all of them at once. :func:`your_llm` builds the
 engine so that every part is used: the offload tier (14) gets blocks to
 hold, and on the CPU the graph runner (12) runs the padded decode batches
-eagerly, as its exercise's check does.
+eagerly, as its exercise's check does. The grammar masker (19) acts only on
+constrained requests: its probe runs one.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from minivllm.engine import LLM
 from minivllm.exercises._common import NOT_WRITTEN, unwritten
 from minivllm.exercises.live import PARTS_DIR, drive, greedy, load_part
 from minivllm.exercises.progress import PARTS, WHAT_WIDTH, Part
+from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output import StructuredOutputsParams
 
 __all__ = ["your_parts", "your_options", "your_llm", "speculation", "lineage"]
 
@@ -37,6 +40,9 @@ def _probe(part: Part, cls) -> str | None:
         return NOT_WRITTEN
     requests = [(f"p{i}", [7, 7, 7, 7, 7, 7, 7, 7] + list(range(10 + i, 13 + 3 * i)), greedy(6)) for i in range(4)]
     try:
+        if part.extension == "grammar_masker_cls":  # a masker acts on constrained rows only: the probe has one
+            requests.append(("g", [7, 7, 7, 7, 7, 7, 7, 7, 10, 11], SamplingParams(
+                temperature=0.0, max_tokens=6, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))))
         drive(your_llm("tiny-random", {part.extension: cls, **_WITH.get(part.extension, {})}, **_PROBE), requests,
               f"your {part.what}")
     except NotImplementedError:

@@ -30,7 +30,7 @@ from minivllm.cuda_graphs import MiniDecodeGraphRunner
 from minivllm.detokenizer import MiniIncrementalDetokenizer
 from minivllm.exercises import (block_manager, continuous_batching, chunked_prefill, disaggregation, kernels,
                                 kv_offload, paged_attention, preemption, prefix_caching, sampling_streaming, serving,
-                                spec_decode, where_time_goes)
+                                spec_decode, structured_output, where_time_goes)
 from minivllm.exercises._common import NOT_WRITTEN, unwritten
 from minivllm.exercises.benchmarks import check_goodput, check_request_latencies
 from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
@@ -39,7 +39,7 @@ from minivllm.exercises.live import PARTS_DIR, load_part
 from minivllm.exercises.prefill_decode import check_generate_cached
 from minivllm.exercises.tensor_parallel import check_shard_weight
 from minivllm.kv_tier import MiniOffloadTier
-from minivllm.sampler import MiniSampler
+from minivllm.sampler import MiniGrammarMasker, MiniSampler
 from minivllm.scheduler import MiniScheduler
 from minivllm.serving.engine_loop import MiniEngineLoop
 from minivllm.spec_decode import MiniSpecAcceptor
@@ -103,6 +103,9 @@ PARTS = [
          "speculative decoding: accept, rollback", "spec_acceptor_cls", spec_decode.METHODS, MiniSpecAcceptor),
     Part("18", "kernels_inner.cpp", "kernels", kernels.check_kernels, "kernels: attention tile, Q4_1 dot (C++)",
          "kernels"),
+    Part("19", "grammar_masker", "MyGrammarMasker", structured_output.check_grammar_masker,
+         "structured outputs: the grammar's mask", "grammar_masker_cls", structured_output.METHODS,
+         MiniGrammarMasker),
 ]
 
 CHAPTERS = sorted({p.chapter for p in PARTS})  # the chapters whose exercises have a part: status --chapters
