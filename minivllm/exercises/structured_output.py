@@ -266,13 +266,13 @@ def _check_fill(masker) -> None:
         bitmask = torch.full((num_rows, bitmask_words(len(VOCAB))), -1, dtype=torch.int32)
         index = _call(case, masker.fill, bitmask, rows)
         constrained = {}
-        for (first, kind, g, prefix, drafts), (_, grammar, _) in zip(spec, rows):
+        for first, kind, g, prefix, drafts in spec:
             for r, want, text in _positions(first, (kind, g), prefix, drafts):
                 constrained[r] = (first, want, text, prefix, drafts, (kind, g))
         for r in range(num_rows):
             if r in constrained or _allowed(bitmask[r]) == set(range(len(VOCAB))):
                 continue
-            k = next((k for k, (first, _, _) in enumerate(rows) if k == r), None)
+            k = r if r < len(rows) else None  # the slip that fills the k-th sample's row k
             raise AssertionError(
                 f"{case}: row {r} has no constraint (no sample's position is logits row {r}), but fill wrote into "
                 "its bitmask row: a sample's positions are the logits rows first to first + len(drafts), from its "
