@@ -103,7 +103,7 @@ def _bench_server(args, workload, tokenizer, model: str) -> int:
     """The workload through a running server's OpenAI API (chapter 13)."""
     print(f"workload {workload.name}: {workload.description}; greedy, exact output lengths, seed {args.seed}")
     print(f"server {args.server} ({args.backend}, {model}), streaming /v1/completions", flush=True)
-    run = run_online(args.server, workload, tokenizer, backend=args.backend, model=model)
+    run = run_online(args.server, workload, tokenizer, backend=args.backend, model=model, progress=not args.quiet)
     failed = [e for e in run.errors if e]
     metrics = run.metrics(_slo(args))
     print()
