@@ -182,7 +182,7 @@ async def run_online_async(url: str, workload: Workload, tokenizer, backend: str
     model = model or served_model(url)
     label = label or f"{backend} at {url}"
     bar = Progress(label, len(workload.arrivals), unit="requests", enabled=progress)
-    run = await _run(url, model, text_prompts(workload, tokenizer), workload, extra, timeout, bar)
+    run = await _run(url, model, text_prompts(workload, tokenizer), workload, extra, timeout, bar=bar)
     run.label = label
     return run
 
