@@ -290,7 +290,7 @@ def _bench(args, parser) -> int:
     installed = any(peer_installed(COMPARE_PEERS[key][0]) for key in peers)
     rounds, loaded, slo = [], {}, _slo(args)
 
-    def finished(round_: Round) -> None:  # one more system done: the JSON so far, written whole
+    def finished() -> None:  # one more system done: the JSON so far, written whole
         if args.json:
             _write_json(args, workload, device, opts, median_runs(rounds)[0], slo, None, None, None,
                         round_ratios(rounds), complete=False, quiet=True)
@@ -299,15 +299,15 @@ def _bench(args, parser) -> int:
         for _ in range(args.repeats):  # round robin: a drift in the machine's speed falls on every system alike
             rounds.append(r := Round([], None, {}))
             r.results.append(run_engine(workload, args.model, progress=not args.quiet, **opts))
-            finished(r)
+            finished()
             for result in _baselines(args, workload, device, compare, model, loaded):
                 r.results.append(result)
-                finished(r)
+                finished()
             r.our_tpot = _batch1_tpot(args.model, opts, workload) if installed else None  # after ours, as the peers do
             for key, run in _peers(workload, peers, args.model, progress=not args.quiet):
                 r.peer_runs[key] = run
                 r.results.append(run.result)
-                finished(r)
+                finished()
     except KeyboardInterrupt:
         return _stopped(args, rounds)
     results, our_tpot, peer_runs = median_runs(rounds)
