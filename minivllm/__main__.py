@@ -10,6 +10,7 @@ offline workload through HF transformers too, and prints vLLM-style metrics
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import os
@@ -102,7 +103,7 @@ def _bench_server(args, workload, tokenizer, model: str) -> int:
     """The workload through a running server's OpenAI API (chapter 13)."""
     print(f"workload {workload.name}: {workload.description}; greedy, exact output lengths, seed {args.seed}")
     print(f"server {args.server} ({args.backend}, {model}), streaming /v1/completions", flush=True)
-    run = run_online(args.server, workload, tokenizer, backend=args.backend, model=model)
+    run = run_online(args.server, workload, tokenizer, backend=args.backend, model=model, progress=not args.quiet)
     failed = [e for e in run.errors if e]
     metrics = run.metrics(_slo(args))
     print()
@@ -113,16 +114,15 @@ def _bench_server(args, workload, tokenizer, model: str) -> int:
         report = {"workload": {"name": workload.name, "description": workload.description, "seed": args.seed,
                                "num_requests": len(workload.arrivals)}, "server": args.server,
                   "backend": args.backend, "failed": len(failed), **metrics.as_dict()}
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json_atomically(args.json, report)
         print(f"wrote {args.json}")
     return 0 if not failed else 1
 
 
-def _baselines(args, workload, device, compare: list[str], model, loaded: dict) -> list:
-    """Each requested baseline run on the same workload (the HF model loaded once into ``loaded``, only when one
-    needs it)."""
-    results = []
+def _baselines(args, workload, device, compare: list[str], model, loaded: dict):
+    """Each requested baseline run on the same workload, yielded as it finishes (the HF model loaded once into
+    ``loaded``, only when one needs it)."""
+    progress = not args.quiet
     for name in compare:
         if name in COMPARE_PEERS:
             continue  # the real engines run apart (_peers)
@@ -135,28 +135,25 @@ def _baselines(args, workload, device, compare: list[str], model, loaded: dict) 
             hf = AutoModelForCausalLM.from_pretrained(model_folder(args.model), dtype=getattr(torch, args.dtype))
             loaded["hf"] = hf.to(device).eval()
         hf = loaded.get("hf")
-        results.append({"hf-batch": lambda: run_hf_generate_batch(hf, workload),
-                        "hf-static": lambda: run_hf_generate(hf, workload, args.hf_batch_size),
-                        "hf-single": lambda: run_hf_generate(hf, workload, 1),
-                        "static": lambda: run_static(model, workload, args.hf_batch_size),
-                        "contiguous": lambda: run_contiguous(model, workload),
-                        "naive": lambda: run_naive(model, workload)}[name]())
-    return results
+        yield {"hf-batch": lambda: run_hf_generate_batch(hf, workload, progress=progress),
+               "hf-static": lambda: run_hf_generate(hf, workload, args.hf_batch_size, progress=progress),
+               "hf-single": lambda: run_hf_generate(hf, workload, 1, progress=progress),
+               "static": lambda: run_static(model, workload, args.hf_batch_size, progress=progress),
+               "contiguous": lambda: run_contiguous(model, workload, progress=progress),
+               "naive": lambda: run_naive(model, workload, progress=progress)}[name]()
 
 
-def _peers(workload, keys: list[str], model: str) -> dict:
-    """Each named peer engine on the workload in its own environment; one that is missing or fails is skipped
-    with a line that says why."""
-    runs = {}
+def _peers(workload, keys: list[str], model: str, progress: bool = True):
+    """Each named peer engine on the workload in its own environment, yielded as ``(key, PeerRun)`` when it
+    finishes; one that is missing or fails is skipped with a line that says why."""
     for key in keys:
         print(f"running {key} in its own environment ...", file=sys.stderr, flush=True)
         try:
-            runs[key] = run_peer(key, workload, model)
+            yield key, run_peer(key, workload, model, progress=progress)
         except PeerMissing as e:
             print(e, flush=True)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             print(f"{key}: skipped, it failed: {e}", flush=True)
-    return runs
 
 
 def _engine_options(args, device) -> dict:
@@ -214,9 +211,25 @@ def _decode_breakdown(args, device) -> dict:
     return breakdown
 
 
-def _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown, ratios) -> None:
+def write_json_atomically(path: str, report: dict) -> None:
+    """``report`` into ``path`` whole or not at all: a temporary file beside it, then renamed over it."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=2)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown, ratios,
+                complete: bool = True, quiet: bool = False) -> None:
+    """The report in ``--json``: every system finished so far (each one's median run), and with ``complete``
+    the roofline and the breakdown too. Written again as each system finishes, so a stopped run keeps them."""
     ours = results[0]
-    report = {"workload": {"name": workload.name, "description": workload.description, "seed": args.seed,
+    report = {"complete": complete,
+              "workload": {"name": workload.name, "description": workload.description, "seed": args.seed,
                            "num_requests": len(workload.arrivals)},
               "model": args.model, "device": str(device), "engine_options": opts,
               "results": [{"name": r.name, "seconds": r.seconds, "output_tokens": r.output_tokens,
@@ -227,9 +240,9 @@ def _write_json(args, workload, device, opts, results, slo, limits, bound, break
               "machine": None if not limits else {"flops": limits.flops, "bandwidth": limits.bandwidth},
               "roofline": bound, "step_breakdown": breakdown, "repeats": args.repeats,
               "ratio_minivllm_by_round": ratios}
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.json}")
+    write_json_atomically(args.json, report)
+    if not quiet:
+        print(f"wrote {args.json}")
 
 
 def _bench(args, parser) -> int:
@@ -275,15 +288,29 @@ def _bench(args, parser) -> int:
     opts = _engine_options(args, device)
     peers = [c for c in compare if c in COMPARE_PEERS]
     installed = any(peer_installed(COMPARE_PEERS[key][0]) for key in peers)
-    rounds, loaded = [], {}
-    for _ in range(args.repeats):  # round robin: a drift in the machine's speed falls on every system alike
-        results = [run_engine(workload, args.model, progress=not args.quiet, **opts)]
-        results += _baselines(args, workload, device, compare, model, loaded)
-        our_tpot = _batch1_tpot(args.model, opts, workload) if installed else None  # after our run, as the peers do
-        peer_runs = _peers(workload, peers, args.model)
-        rounds.append(Round(results + [run.result for run in peer_runs.values()], our_tpot, peer_runs))
+    rounds, loaded, slo = [], {}, _slo(args)
+
+    def finished() -> None:  # one more system done: the JSON so far, written whole
+        if args.json:
+            _write_json(args, workload, device, opts, median_runs(rounds)[0], slo, None, None, None,
+                        round_ratios(rounds), complete=False, quiet=True)
+
+    try:
+        for _ in range(args.repeats):  # round robin: a drift in the machine's speed falls on every system alike
+            rounds.append(r := Round([], None, {}))
+            r.results.append(run_engine(workload, args.model, progress=not args.quiet, **opts))
+            finished()
+            for result in _baselines(args, workload, device, compare, model, loaded):
+                r.results.append(result)
+                finished()
+            r.our_tpot = _batch1_tpot(args.model, opts, workload) if installed else None  # after ours, as the peers do
+            for key, run in _peers(workload, peers, args.model, progress=not args.quiet):
+                r.peer_runs[key] = run
+                r.results.append(run.result)
+                finished()
+    except KeyboardInterrupt:
+        return _stopped(args, rounds)
     results, our_tpot, peer_runs = median_runs(rounds)
-    slo = _slo(args)
     limits = measure_machine(model) if args.roofline else None
     bound = roofline(model, workload, limits) if limits else None
     _print_report(args, workload, results, slo, limits, bound)
@@ -300,6 +327,19 @@ def _bench(args, parser) -> int:
     if args.json:
         _write_json(args, workload, device, opts, results, slo, limits, bound, breakdown, ratios)
     return 0
+
+
+def _stopped(args, rounds: list) -> int:
+    """Ctrl-C during ``bench``'s runs: what finished (each system's median run so far), where it was written; 130."""
+    rounds = [r for r in rounds if r.results]
+    print("\nstopped (Ctrl-C)" + ("; nothing finished" if not rounds else "; what finished:"), file=sys.stderr)
+    for r in median_runs(rounds)[0] if rounds else []:
+        print(f"  {r.name[:60]}: {r.seconds:.2f} s, {r.throughput:.1f} output tok/s", file=sys.stderr)
+    if rounds:
+        if args.json:
+            print(f"{args.json} holds these (\"complete\": false)", file=sys.stderr)
+    sys.stderr.flush()
+    return 130
 
 
 @dataclass
@@ -399,7 +439,10 @@ def main(argv=None) -> int:
                                    "print throughput, TTFT/TPOT/ITL/E2E percentiles, KV use and the roofline.",
                        epilog=_workloads_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     b.add_argument("--workload", required=True, choices=sorted([*WORKLOADS, "speculative", "structured"]))
-    b.add_argument("--json", metavar="FILE", type=writable_file, help="also write every figure to FILE as JSON")
+    b.add_argument("--json", metavar="FILE", type=writable_file,
+                   help="also write every figure to FILE as JSON, written anew (whole: a temporary file renamed) "
+                        "as each system finishes, so a run stopped by Ctrl-C keeps what finished "
+                        "(\"complete\": false until the end)")
     b.add_argument("--model", default="smollm2-135m")
     b.add_argument("--device", type=device_name, default=None, help="cpu or cuda (default: cuda when available)")
     b.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -442,7 +485,8 @@ def main(argv=None) -> int:
     b.add_argument("--repeats", type=positive_int, default=1,
                    help="run minivllm and every baseline this many times in turn (A B A B ...); the tables show "
                         "each system's median run, and the ratios are given round by round with their median")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
+    b.add_argument("--quiet", action="store_true",
+                   help="no progress lines (on stderr: every system's tokens done, elapsed seconds)")
     s = sub.add_parser("serve", help="run the OpenAI-compatible server",
                        description="Serve the model over OpenAI's API (/v1/completions, /v1/chat/completions, "
                                    "/v1/models) plus /health, /tokenize, /detokenize and Prometheus /metrics.")
@@ -478,8 +522,16 @@ def main(argv=None) -> int:
         b.error("argument --quantization: not with --tensor-parallel-size > 1 (the workers read float32 shards)")
     elif args.max_num_seqs:
         check_token_budget(b, args.max_num_batched_tokens, args.max_num_seqs, "--max-num-seqs")
-    return _bench(args, b)
+    try:
+        return _bench(args, b)
+    except KeyboardInterrupt:  # before or after the runs (loading, the roofline): _bench handles the runs' own
+        print("\nstopped (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code = main()
+    # The interpreter's last collections would walk every object torch and transformers made (a second or more
+    # on a loaded machine, after Ctrl-C too): frozen, they are left to the exit. atexit and finalizers still run.
+    gc.freeze()
+    raise SystemExit(code)

@@ -292,7 +292,7 @@ def test_bench_repeats_take_minivllm_and_each_peer_in_turn_and_give_the_ratios_r
         ours.append(real_run_engine(*args, **kwargs))
         return ours[-1]
 
-    def peer(key, workload, model):
+    def peer(key, workload, model, **kwargs):
         calls.append(key)
         stand_in = real_run_engine(workload, model)  # the peer's tokens: minivllm's own, timed by the iterator
         theirs.append(dataclasses.replace(stand_in, name="a peer", seconds=next(peer_seconds)))

@@ -164,7 +164,7 @@ def test_the_llamacpp_backend_biases_every_special_token_away_and_turns_off_the_
     json.dumps(extra, allow_nan=False)  # valid JSON: no -inf
     sent = {}
 
-    async def fake_run(url, model, prompts, workload, extra, timeout):
+    async def fake_run(url, model, prompts, workload, extra, timeout, bar=None):
         sent.update(extra)
         return online.OnlineRun("", 1.0, [], [])
 

@@ -78,7 +78,7 @@ class StaticBatchOutput:
 
 @torch.inference_mode()
 def static_batch_generate(model, prompts_ids: list[list[int]], max_tokens_list: list[int],
-                          batch_size: int) -> StaticBatchOutput:
+                          batch_size: int, on_step=None) -> StaticBatchOutput:
     """Greedy generation in static batches, the way ``generate`` on padded batches works (chapter 06).
 
     Requests are cut into batches of ``batch_size`` in order. A batch is
@@ -87,7 +87,8 @@ def static_batch_generate(model, prompts_ids: list[list[int]], max_tokens_list: 
     finishes early keeps its row (computing tokens nobody reads), and no
     waiting request may take it. Runs minivllm's own model, so against the
     engine the only difference is the batching policy. EOS is ignored: each
-    request gets exactly its ``max_tokens``.
+    request gets exactly its ``max_tokens``. ``on_step(tokens, finished)``, if given, is called after each step
+    with the requested tokens it produced and the requests it finished (progress).
     """
     if len(prompts_ids) != len(max_tokens_list):
         raise ValueError(f"max_tokens_list needs one entry per prompt ({len(prompts_ids)}), got {len(max_tokens_list)}")
@@ -114,6 +115,8 @@ def static_batch_generate(model, prompts_ids: list[list[int]], max_tokens_list: 
             for r in range(B):
                 out[r].append(new[r])
                 times[r].append(t)
+            if on_step is not None:
+                on_step(sum(w > step for w in wants), sum(w == step + 1 for w in wants))
             if step == steps - 1:
                 break
             pos = torch.tensor([P + step - n for n in pad], device=device)
@@ -179,6 +182,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _tokens_in_flight(manager) -> int:
+    """Output tokens of the requests HF's continuous batching is still running, read from its scheduler (a
+    peek at its internals for progress only: 0 where this transformers keeps them elsewhere)."""
+    try:
+        states = list(manager.batch_processor.scheduler.active_requests.values())
+        return sum(len(state.generated_tokens) for state in states)
+    except (AttributeError, RuntimeError, TypeError):  # RuntimeError: changed by its thread while copied
+        return 0
+
+
 def continuous_batching_options(options: dict, accepted) -> dict:
     """``options`` with this module's defaults, the page size under the name this transformers takes
     (``accepted``: ``ContinuousBatchingConfig``'s parameters): ``page_size``, or ``block_size`` before 5.2x."""
@@ -189,7 +202,7 @@ def continuous_batching_options(options: dict, accepted) -> dict:
 
 
 def hf_generate_batch(hf_model, prompts_ids: list[list[int]], max_tokens_list: list[int], timestamps: bool = False,
-                      **options):
+                      on_progress=None, **options):
     """HF transformers continuous batching (what ``generate_batch`` runs), greedy, exactly ``max_tokens_list[i]`` each.
 
     ``generate_batch`` takes one ``max_new_tokens`` for all prompts, so this
@@ -199,7 +212,15 @@ def hf_generate_batch(hf_model, prompts_ids: list[list[int]], max_tokens_list: l
     pages of 64 tokens, 512 tokens per step, a KV cache sized for every request
     at once rather than most of the machine's memory, no prefix sharing).
     Returns the token ids in input order, and with ``timestamps`` also each
-    token's ``time.perf_counter()``.
+    token's ``time.perf_counter()``. ``on_progress(tokens, requests)``, if
+    given, is called as each request finishes and about once a second
+    meanwhile, with the output tokens so far (those of the requests still
+    running read from its scheduler, where this transformers has them) and the
+    requests finished.
+
+    Stopped (Ctrl-C, or an error here), its background thread is stopped at
+    once (``hard_stop``), not left to finish every queued request first, which
+    is what a plain ``stop()`` waits for.
     """
     from transformers import ContinuousBatchingConfig, GenerationConfig  # optional and heavy: HF baselines only
 
@@ -216,15 +237,22 @@ def hf_generate_batch(hf_model, prompts_ids: list[list[int]], max_tokens_list: l
     results = {}
     with torch.inference_mode():  # its background thread inherits the caller's inference mode
         manager.start()
+        finished, done = False, 0
         try:
             while len(results) < len(ids):
-                out = manager.get_result(timeout=1)
+                out = manager.get_result(timeout=0.2)  # short: Ctrl-C may wake another thread, not this one
                 if out is not None and out.is_finished():
                     results[out.request_id] = out
+                    done += len(out.generated_tokens)
                 elif out is None and not manager.is_running():
                     raise RuntimeError(f"HF continuous batching stopped: {manager.background_thread_status.fatal_error!r}")
+                if on_progress is not None:
+                    on_progress(done + _tokens_in_flight(manager), len(results))
+            finished = True
         finally:
-            manager.stop(block=True)
+            # a plain stop() flushes: it waits until every queued request is done (minutes into a long run)
+            hard = not finished and "hard_stop" in inspect.signature(manager.stop).parameters
+            manager.stop(block=True, **({"hard_stop": True} if hard else {}))
             manager.destroy()
     outs = [results[i] for i in ids]
     bad = [(o.request_id, o.error, len(o.generated_tokens)) for o, m in zip(outs, max_tokens_list)

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from minivllm import LLM
 from minivllm.bench.baselines import _hf_generation_config, hf_generate_batch, static_batch_generate
 from minivllm.bench.metrics import RequestTimes, ServingMetrics, serving_metrics
+from minivllm.bench.progress import Progress
 from minivllm.bench.trace import StepRecord, replay, warm_up
 from minivllm.bench.workloads import Workload, _exactly, random_workload
 from minivllm.block_manager import MiniBlockManager
@@ -82,14 +82,16 @@ def run_engine(workload: Workload, model: str = "smollm2-135m", name: str = "min
         engine_options["num_blocks"] = (workload.num_blocks(block_size) if workload.pool_fraction is not None
                                         else workload.kv_blocks_needed(block_size) + cdiv(64, block_size))
     llm = LLM(model, **engine_options)
-    warm_up(llm)
-    engine = llm.engine
-    device = engine.runner.device
-    before = engine.stats()
-    total = sum(workload.max_tokens)
-    with tqdm(total=total, desc=name, unit="tok", disable=not progress, leave=False) as bar:
-        trace = replay(engine, workload.arrivals, device, label=name,
-                       on_step=lambda r: bar.update(r.sampled))
+    try:
+        warm_up(llm)
+        engine = llm.engine
+        device = engine.runner.device
+        before = engine.stats()
+        with Progress(name, sum(workload.max_tokens), enabled=progress) as bar:
+            trace = replay(engine, workload.arrivals, device, label=name, on_step=lambda r: bar.update(r.sampled))
+    except BaseException:  # Ctrl-C too: no tensor-parallel worker outlives the run
+        llm.shutdown()
+        raise
     stats = engine.stats()
     for f in ("num_preemptions", "num_recomputed_tokens", "num_swapped_bytes"):  # leave out the warm-up
         setattr(stats, f, getattr(stats, f) - getattr(before, f))
@@ -111,52 +113,67 @@ def _result(name, start, end, token_ids, token_times, workload) -> BenchResult:
     return BenchResult(name, end - start, [list(x) for x in token_ids], requests, start=start)
 
 
-def _one_at_a_time(name, generate, model, workload: Workload) -> BenchResult:
+def _progress(name: str, workload: Workload, enabled: bool) -> Progress:
+    """A baseline's progress line: output tokens and finished requests of the workload's."""
+    return Progress(name, sum(workload.max_tokens), requests=len(workload.prompts), enabled=enabled)
+
+
+def _one_at_a_time(name, generate, model, workload: Workload, progress: bool = False) -> BenchResult:
     _offline_only(workload, name)
     device = model.lm_head.weight.device
     generate(model, workload.prompts[0][:8], 2)  # warm-up
     ids, times = [], []
-    start = now(device)
-    for prompt, n in zip(workload.prompts, workload.max_tokens):
-        called = time.perf_counter()
-        r = generate(model, prompt, n)
-        ids.append(r.token_ids)
-        times.append(list(itertools.accumulate(r.step_times_s, initial=called + r.ttft_s)))
-    return _result(name, start, now(device), ids, times, workload)
+    with _progress(name, workload, progress) as bar:
+        start = now(device)
+        for prompt, n in zip(workload.prompts, workload.max_tokens):
+            called = time.perf_counter()
+            r = generate(model, prompt, n)
+            ids.append(r.token_ids)
+            times.append(list(itertools.accumulate(r.step_times_s, initial=called + r.ttft_s)))
+            bar.update(n, 1)
+        end = now(device)
+    return _result(name, start, end, ids, times, workload)
 
 
-def run_naive(model, workload: Workload) -> BenchResult:
+def run_naive(model, workload: Workload, progress: bool = False) -> BenchResult:
     """Chapter 01's loop without a KV cache: every token recomputes the whole sequence, one request at a time."""
-    return _one_at_a_time("naive (no KV cache)", generate_naive, model, workload)
+    return _one_at_a_time("naive (no KV cache)", generate_naive, model, workload, progress)
 
 
-def run_contiguous(model, workload: Workload) -> BenchResult:
+def run_contiguous(model, workload: Workload, progress: bool = False) -> BenchResult:
     """Chapter 01's contiguous KV cache, one request at a time."""
-    return _one_at_a_time("contiguous KV cache, one at a time", generate_cached, model, workload)
+    return _one_at_a_time("contiguous KV cache, one at a time", generate_cached, model, workload, progress)
 
 
-def run_static(model, workload: Workload, batch_size: int = 16) -> BenchResult:
+def run_static(model, workload: Workload, batch_size: int = 16, progress: bool = False) -> BenchResult:
     """Chapter 06's static padded batches on minivllm's own model: the batching policy is the only change."""
     _offline_only(workload, "static batching")
     device = model.lm_head.weight.device
     static_batch_generate(model, workload.prompts[:1], [2], 1)
-    start = now(device)
-    out = static_batch_generate(model, workload.prompts, workload.max_tokens, batch_size)
-    return _result(f"static batches of {batch_size}", start, now(device), out.token_ids, out.token_times, workload)
+    name = f"static batches of {batch_size}"
+    with _progress(name, workload, progress) as bar:
+        start = now(device)
+        out = static_batch_generate(model, workload.prompts, workload.max_tokens, batch_size, on_step=bar.update)
+        end = now(device)
+    return _result(name, start, end, out.token_ids, out.token_times, workload)
 
 
 class _TokenClock:
-    """A transformers StoppingCriteria that never stops: it notes when each generation step's tokens exist."""
+    """A transformers StoppingCriteria that never stops: it notes when each generation step's tokens exist, and
+    calls ``on_step(step)`` after each (progress; Ctrl-C lands between two steps)."""
 
-    def __init__(self):
+    def __init__(self, on_step=None):
         self.times: list[float] = []
+        self.on_step = on_step
 
     def __call__(self, input_ids, scores, **kwargs):
         self.times.append(time.perf_counter())
+        if self.on_step is not None:
+            self.on_step(len(self.times))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_hf_generate(hf_model, workload: Workload, batch_size: int = 1) -> BenchResult:
+def run_hf_generate(hf_model, workload: Workload, batch_size: int = 1, progress: bool = False) -> BenchResult:
     """HF transformers ``generate``: one request at a time (``batch_size=1``) or static left-padded batches."""
     from transformers import StoppingCriteriaList  # optional and heavy: only the HF baseline needs it
 
@@ -165,11 +182,11 @@ def run_hf_generate(hf_model, workload: Workload, batch_size: int = 1) -> BenchR
     pad_id = _hf_generation_config(hf_model, 1).pad_token_id
     prompts, wants = workload.prompts, workload.max_tokens
 
-    def generate(batch, n):
+    def generate(batch, n, on_step=None):
         width = max(map(len, batch))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
-        clock = _TokenClock()
+        clock = _TokenClock(on_step)
         with torch.inference_mode():
             gen = hf_model.generate(input_ids=ids, attention_mask=mask, stopping_criteria=StoppingCriteriaList([clock]),
                                     generation_config=_hf_generation_config(hf_model, n))
@@ -177,24 +194,36 @@ def run_hf_generate(hf_model, workload: Workload, batch_size: int = 1) -> BenchR
 
     generate([prompts[0][:8]], 2)  # warm-up
     ids, times = [], []
-    start = now(device)
-    for lo in range(0, len(prompts), batch_size):
-        batch, n = prompts[lo:lo + batch_size], wants[lo:lo + batch_size]
-        out, clock = generate(batch, max(n))
-        ids += [o[:k] for o, k in zip(out, n)]
-        times += [clock[:k] for k in n]
     name = "HF generate, one at a time" if batch_size == 1 else f"HF generate, static batches of {batch_size}"
-    return _result(name, start, now(device), ids, times, workload)
+    with _progress(name, workload, progress) as bar:
+        start = now(device)
+        for lo in range(0, len(prompts), batch_size):
+            batch, n = prompts[lo:lo + batch_size], wants[lo:lo + batch_size]
+            out, clock = generate(batch, max(n), lambda step: bar.update(sum(k >= step for k in n),
+                                                                           sum(k == step for k in n)))
+            ids += [o[:k] for o, k in zip(out, n)]
+            times += [clock[:k] for k in n]
+        end = now(device)
+    return _result(name, start, end, ids, times, workload)
 
 
-def run_hf_generate_batch(hf_model, workload: Workload) -> BenchResult:
+def run_hf_generate_batch(hf_model, workload: Workload, progress: bool = False) -> BenchResult:
     """HF transformers continuous batching, ``generate_batch`` (paged attention), on the same requests."""
     _offline_only(workload, "HF generate_batch")
     device = hf_model.device
     hf_generate_batch(hf_model, [workload.prompts[0][:8]], [2])  # warm-up
-    start = now(device)
-    ids, times = hf_generate_batch(hf_model, workload.prompts, workload.max_tokens, timestamps=True)
-    return _result("HF generate_batch (continuous batching)", start, now(device), ids, times, workload)
+    name = "HF generate_batch (continuous batching)"
+
+    def on_progress(tokens, requests):
+        bar.done, bar.requests_done = tokens, requests
+        bar.tick()
+
+    with _progress(name, workload, progress) as bar:
+        start = now(device)
+        ids, times = hf_generate_batch(hf_model, workload.prompts, workload.max_tokens, timestamps=True,
+                                       on_progress=on_progress)
+        end = now(device)
+    return _result(name, start, end, ids, times, workload)
 
 
 # -- The ladder: one optimisation per rung (chapter 11) -------------------------------------------------

@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass, field
 
 from minivllm.bench.metrics import RequestTimes, ServingMetrics, serving_metrics
+from minivllm.bench.progress import Progress
 from minivllm.bench.workloads import Workload
 from minivllm.timing import now
 
@@ -133,7 +134,15 @@ async def _stream_one(client, url: str, body: dict, send_at: float) -> tuple[Req
     return RequestTimes(sent, times, usage["prompt_tokens"] if usage else 0, n), "".join(text), None
 
 
-async def _run(url, model, prompts, workload, extra, timeout) -> OnlineRun:
+async def _beat(tasks, bar: Progress) -> None:
+    """Count the finished requests into ``bar`` twice a second, until cancelled."""
+    while True:
+        await asyncio.sleep(0.5)
+        bar.done = sum(t.done() for t in tasks)
+        bar.tick()
+
+
+async def _run(url, model, prompts, workload, extra, timeout, bar: Progress | None = None) -> OnlineRun:
     import httpx  # optional: only a benchmark against a server needs an HTTP client
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -143,7 +152,14 @@ async def _run(url, model, prompts, workload, extra, timeout) -> OnlineRun:
             "model": model, "prompt": p, "max_tokens": a.params.max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, **extra}, start + (a.at_time or 0.0)))
             for p, a in zip(prompts, workload.arrivals)]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        beat = asyncio.ensure_future(_beat(tasks, bar)) if bar is not None else None
+        try:
+            results = await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            if beat is not None:
+                beat.cancel()
+                bar.done = sum(t.done() for t in tasks)
+                bar.close(stopped=bar.done < len(tasks))
         end = now()
     out = [r if not isinstance(r, BaseException) else (None, "", f"{type(r).__name__}: {r}") for r in results]
     done = [r for r, _, _ in out if r is not None and r.token_times]
@@ -152,18 +168,22 @@ async def _run(url, model, prompts, workload, extra, timeout) -> OnlineRun:
 
 
 async def run_online_async(url: str, workload: Workload, tokenizer, backend: str = "minivllm",
-                           model: str | None = None, label: str = "", timeout: float = 600.0) -> OnlineRun:
+                           model: str | None = None, label: str = "", timeout: float = 600.0,
+                           progress: bool = False) -> OnlineRun:
     """Send ``workload`` to the server at ``url`` as its arrival times say; every request streams.
 
     ``backend`` names how to ask the server for exact output lengths (``BACKENDS``); ``timeout`` bounds
-    each request in seconds. In a notebook, ``await`` this; elsewhere :func:`run_online` runs it.
+    each request in seconds; ``progress``: a line on stderr every few seconds, the requests finished. In a
+    notebook, ``await`` this; elsewhere :func:`run_online` runs it.
     """
     check_online_workload(workload)
     extra = request_extra(backend, tokenizer)
     url = url.rstrip("/")
     model = model or served_model(url)
-    run = await _run(url, model, text_prompts(workload, tokenizer), workload, extra, timeout)
-    run.label = label or f"{backend} at {url}"
+    label = label or f"{backend} at {url}"
+    bar = Progress(label, len(workload.arrivals), unit="requests", enabled=progress)
+    run = await _run(url, model, text_prompts(workload, tokenizer), workload, extra, timeout, bar=bar)
+    run.label = label
     return run
 
 

@@ -22,21 +22,24 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from minivllm.bench.baselines import first_difference
 from minivllm.bench.harness import BenchResult, _result
+from minivllm.bench.progress import Progress
 from minivllm.bench.server_process import ServerProcess, free_port
 from minivllm.bench.workloads import Workload
 from minivllm.cpu_threads import set_by_minivllm
 from minivllm.models.loader import SMOLLM2, _atomic_folder, cache_dir, gguf_path, smollm2_folder
 
 __all__ = ["Peer", "PEERS", "COMPARE_PEERS", "PeerMissing", "PeerRun", "peers_dir", "export_hf_folder",
-           "export_f32_gguf", "setup_commands", "setup_peer", "peer_installed", "leading_agreement",
+           "export_f32_gguf", "setup_commands", "setup_peer", "peer_installed", "leading_agreement", "run_driver",
            "agreement_line", "peer_settings", "peer_environ", "run_peer", "server_argv", "peer_server", "batch1_tpot",
            "peer_table", "peers_main", "ALIASES", "MEASURED", "measured_peers", "measured_peer_table"]
 
@@ -225,10 +228,11 @@ def _require(key: str, model: str) -> Peer:
 
 
 def run_peer(key: str, workload: Workload, model: str = SMOLLM2, tpot_tokens: int = 32, repeats: int = 3,
-             timeout: float = 3600.0) -> PeerRun:
+             timeout: float = 3600.0, progress: bool = False) -> PeerRun:
     """``workload`` through the peer ``key`` (:data:`COMPARE_PEERS`) in its own environment; raises
     :class:`PeerMissing` when it is not installed (or ``model`` is not the embedded one, the only model it has
-    files for), ``RuntimeError`` with its log when its driver fails."""
+    files for), ``RuntimeError`` with its log when its driver fails. With ``progress``, a line on stderr every
+    few seconds: the driver's phase, the workload's tokens it has done, the seconds elapsed (:func:`run_driver`)."""
     peer = _require(key, model)
     files = str(_files(key))
     settings, env = peer_settings(key, workload)
@@ -236,17 +240,82 @@ def run_peer(key: str, workload: Workload, model: str = SMOLLM2, tpot_tokens: in
            "tpot": {"prompt": workload.prompts[0], "tokens": tpot_tokens, "repeats": repeats}}
     with tempfile.TemporaryDirectory(prefix=f"peer-{key}-") as tmp:
         job_path, result_path, log = Path(tmp, "job.json"), Path(tmp, "result.json"), Path(tmp, "driver.log")
+        job["progress"] = str(Path(tmp, "progress"))
         job_path.write_text(json.dumps(job))
-        with open(log, "a") as f:  # appended: an earlier attempt's build log stays
-            rc = subprocess.run([str(venv_python(peer)), str(DRIVERS / peer.driver), str(job_path), str(result_path)],
-                                stdout=f, stderr=subprocess.STDOUT, timeout=timeout, cwd=tmp,
-                                env={**peer_environ(), "HF_HUB_OFFLINE": "1", **env}).returncode
+        bar = Progress(key, sum(workload.max_tokens), enabled=progress)
+        rc = run_driver([str(venv_python(peer)), str(DRIVERS / peer.driver), str(job_path), str(result_path)],
+                        log, {**peer_environ(), "HF_HUB_OFFLINE": "1", **env}, timeout, bar)
         if rc != 0 or not result_path.exists():
             raise RuntimeError(f"{key}: the driver failed (exit {rc}); its output ends:\n" + log.read_text()[-3000:])
         out = json.loads(result_path.read_text())
     result = _result(_label(key, out["settings"]), 0.0, out["seconds"], out["token_ids"], out["token_times"], workload)
     return PeerRun(result, out["batch1_tpot"], {**out["settings"], "env": {**out["settings"].get("env", {}), **env}},
                    out["startup_seconds"], out["version"])
+
+
+def run_driver(argv: list[str], log: Path, env: dict, timeout: float, bar: Progress | None = None,
+               grace: float = 1.0) -> int:
+    """Run a peer's driver to its end, its output into ``log``; its exit code.
+
+    It runs in a session (and process group) of its own, so a Ctrl-C at the
+    terminal reaches this process only: whatever way this returns or raises
+    (Ctrl-C's KeyboardInterrupt, ``subprocess.TimeoutExpired`` after ``timeout``
+    seconds), the whole group, the driver and every process it started (vLLM's
+    engine core), is stopped: SIGTERM, then SIGKILL after ``grace`` seconds.
+    Meanwhile ``bar`` shows what the driver last wrote to its progress file
+    (``progress`` beside the job file: ``phase<TAB>tokens done``).
+    """
+    progress_file = Path(argv[2]).with_name("progress") if len(argv) > 2 else None
+    began = time.perf_counter()
+    with open(log, "a") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, cwd=log.parent, env=env,
+                                start_new_session=True)
+    stopped = True
+    try:
+        while True:
+            try:
+                rc = proc.wait(timeout=0.5)
+                stopped = False
+                return rc
+            except subprocess.TimeoutExpired:
+                if time.perf_counter() - began > timeout:
+                    raise subprocess.TimeoutExpired(argv, timeout) from None
+            if bar is not None:
+                phase, done = _driver_progress(progress_file)
+                bar.done = done
+                bar.tick(phase)
+    finally:
+        if bar is not None:
+            bar.close(stopped=stopped)
+        _stop_group(proc, grace)
+
+
+def _driver_progress(path: Path | None) -> tuple[str, int]:
+    """``(phase, tokens done)`` from a driver's progress file; ``("starting", 0)`` before it writes one."""
+    try:
+        phase, done = path.read_text().split("\t")
+        return phase[:30], int(done)
+    except (AttributeError, OSError, ValueError):
+        return "starting", 0
+
+
+def _stop_group(proc: subprocess.Popen, grace: float) -> None:
+    """Stop the process group ``proc`` leads (its own session): SIGTERM, SIGKILL after ``grace`` seconds; a group
+    already gone is fine. What is left of it after a normal exit (an orphaned helper) is killed too."""
+    def signal_group(sig) -> bool:
+        try:
+            os.killpg(proc.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    if proc.poll() is None and signal_group(signal.SIGTERM):
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+    signal_group(signal.SIGKILL)
+    proc.wait()
 
 
 def peer_environ() -> dict:

@@ -10,29 +10,27 @@ where it differs from minivllm and, for a known mistake, a hint; then, unless
 ``live=False``, the part runs inside the live engine
 (:mod:`minivllm.exercises.live`). It prints one line when all pass. One
 module per chapter; this package re-exports every check, so notebooks write
-``from minivllm.exercises import check_block_manager``.
+``from minivllm.exercises import check_block_manager`` (each loads on first
+use: ``python -m minivllm.exercises status --no-checks`` loads none).
 """
 
-from minivllm.exercises.benchmarks import check_goodput, check_request_latencies, reference_request_latencies
-from minivllm.exercises.block_manager import check_block_manager, check_slot_mapping
-from minivllm.exercises.chunked_prefill import check_chunked_prefill
-from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
-from minivllm.exercises.continuous_batching import check_scheduler
-from minivllm.exercises.disaggregation import check_kv_handoff
-from minivllm.exercises.kernels import build_kernels, check_kernels
-from minivllm.exercises.live import chat_prompts, check_live, drive, greedy, load_part
-from minivllm.exercises.kv_cache_memory import check_kv_bytes_per_token, check_paged_waste
-from minivllm.exercises.kv_offload import check_offload_tier
-from minivllm.exercises.paged_attention import check_paged_attention
-from minivllm.exercises.preemption import check_preemption
-from minivllm.exercises.prefill_decode import check_generate_cached
-from minivllm.exercises.prefix_caching import check_prefix_cache
-from minivllm.exercises.sampling_streaming import check_detokenizer, check_sampler
-from minivllm.exercises.serving import check_engine_loop
-from minivllm.exercises.spec_decode import check_spec_acceptor
-from minivllm.exercises.structured_output import check_grammar_masker
-from minivllm.exercises.tensor_parallel import check_shard_weight
-from minivllm.exercises.where_time_goes import check_graph_runner
+import importlib
+
+_WHERE = {  # name -> the module of minivllm.exercises that defines it
+    "check_goodput": "benchmarks", "check_request_latencies": "benchmarks",
+    "reference_request_latencies": "benchmarks", "check_block_manager": "block_manager",
+    "check_slot_mapping": "block_manager", "check_chunked_prefill": "chunked_prefill",
+    "check_chunked_causal": "chunked_prefill_exact", "check_scheduler": "continuous_batching",
+    "check_kv_handoff": "disaggregation", "build_kernels": "kernels", "check_kernels": "kernels",
+    "chat_prompts": "live", "check_live": "live", "drive": "live", "greedy": "live", "load_part": "live",
+    "check_kv_bytes_per_token": "kv_cache_memory", "check_paged_waste": "kv_cache_memory",
+    "check_offload_tier": "kv_offload", "check_paged_attention": "paged_attention",
+    "check_preemption": "preemption", "check_generate_cached": "prefill_decode",
+    "check_prefix_cache": "prefix_caching", "check_detokenizer": "sampling_streaming",
+    "check_sampler": "sampling_streaming", "check_engine_loop": "serving", "check_spec_acceptor": "spec_decode",
+    "check_grammar_masker": "structured_output",
+    "check_shard_weight": "tensor_parallel", "check_graph_runner": "where_time_goes",
+}
 
 __all__ = [
     "load_part", "check_live", "drive", "chat_prompts", "greedy",  # the live engine with the reader's parts
@@ -56,3 +54,22 @@ __all__ = [
     "build_kernels", "check_kernels",  # 18 kernels
     "check_grammar_masker",  # 19 structured outputs
 ]
+
+
+def __getattr__(name: str):
+    """A check (imported from its chapter's module on first use, then kept), or a submodule."""
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+        globals()[name] = value
+        return value
+    if not name.startswith("__"):
+        try:
+            return importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -17,48 +17,55 @@ message where they do not.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from minivllm.attention import MiniPagedKVCache
-from minivllm.block_manager import MiniBlockManager
-from minivllm.config import check
-from minivllm.cuda_graphs import MiniDecodeGraphRunner
-from minivllm.detokenizer import MiniIncrementalDetokenizer
-from minivllm.exercises import (block_manager, continuous_batching, chunked_prefill, disaggregation, kernels,
-                                kv_offload, paged_attention, preemption, prefix_caching, sampling_streaming, serving,
-                                spec_decode, structured_output, where_time_goes)
-from minivllm.exercises._common import NOT_WRITTEN, unwritten
-from minivllm.exercises.benchmarks import check_goodput, check_request_latencies
-from minivllm.exercises.chunked_prefill_exact import check_chunked_causal
-from minivllm.exercises.kv_cache_memory import check_kv_bytes_per_token, check_paged_waste
-from minivllm.exercises.live import PARTS_DIR, load_part
-from minivllm.exercises.prefill_decode import check_generate_cached
-from minivllm.exercises.tensor_parallel import check_shard_weight
-from minivllm.kv_tier import MiniOffloadTier
-from minivllm.sampler import MiniGrammarMasker, MiniSampler
-from minivllm.scheduler import MiniScheduler
-from minivllm.serving.engine_loop import MiniEngineLoop
-from minivllm.spec_decode import MiniSpecAcceptor
+PARTS_DIR = Path("your_engine")  # minivllm.exercises.live's, without loading the engine to read it
 
 __all__ = ["Part", "PARTS", "CHAPTERS", "WHAT_WIDTH", "part_status", "status"]
 
 
+def _load(where: str):
+    """``"module:name"`` (a module of minivllm) -> the object, importing the module."""
+    module, name = where.split(":")
+    return getattr(importlib.import_module(f"minivllm.{module}"), name)
+
+
 @dataclass(frozen=True)
 class Part:
-    """One part the reader writes: where its exercise puts it, what checks it, where the engine takes it."""
+    """One part the reader writes: where its exercise puts it, what checks it, where the engine takes it.
+
+    The check, the methods and minivllm's own class are named ``"module:name"`` (modules of minivllm) and load
+    on first use (:attr:`check`, :attr:`methods`, :attr:`impl`): saying which parts exist needs no torch.
+    """
 
     chapter: str
     module: str  # your_engine/<module>.py, or the file itself where it is not Python (exercise 18's .cpp)
     name: str  # the function or class the notebook defines there
-    check: Callable  # minivllm.exercises' check of it
+    check_at: str  # minivllm.exercises' check of it
     what: str
     extension: str | None = None  # the EngineConfig field an engine part plugs into (the capstone)
-    methods: tuple[str, ...] = ()  # a class part: the methods its exercise asks for
-    impl: type | None = None  # a class part: minivllm's own class, whose methods complete the reader's (load_part)
+    methods_at: str | None = None  # a class part: the methods its exercise asks for
+    impl_at: str | None = None  # a class part: minivllm's own class, whose methods complete the reader's (load_part)
+
+    @property
+    def check(self) -> Callable:
+        """minivllm.exercises' check of the part."""
+        return _load(self.check_at)
+
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """A class part: the methods its exercise asks for (``()`` for a function part)."""
+        return _load(self.methods_at) if self.methods_at else ()
+
+    @property
+    def impl(self) -> type | None:
+        """A class part: minivllm's own class, whose methods complete the reader's (``load_part``)."""
+        return _load(self.impl_at) if self.impl_at else None
 
     @property
     def file(self) -> str:
@@ -67,45 +74,58 @@ class Part:
 
 
 PARTS = [
-    Part("01", "prefill_decode", "generate_cached", check_generate_cached, "generate with a KV cache"),
-    Part("02", "chunked_attention", "chunked_causal", check_chunked_causal, "chunked causal attention"),
-    Part("03", "kv_cache_memory", "kv_bytes_per_token", check_kv_bytes_per_token, "KV bytes per token"),
-    Part("03", "paged_waste", "paged_waste", check_paged_waste, "what a paged cache leaves empty"),
-    Part("04", "block_manager", "MyBlockManager", block_manager.check_block_manager,
-         "block manager: allocate, free, slots", "block_manager_cls", block_manager.METHODS, MiniBlockManager),
-    Part("05", "paged_attention", "MyPagedKVCache", paged_attention.check_paged_attention, "paged attention",
-         "attention_backend", paged_attention.METHODS, MiniPagedKVCache),
-    Part("06", "scheduler_admission", "MyScheduler", continuous_batching.check_scheduler,
-         "scheduler: decodes first, admission", "scheduler_cls", continuous_batching.METHODS, MiniScheduler),
-    Part("07", "sampler", "MySampler", sampling_streaming.check_sampler, "sampler", "sampler",
-         sampling_streaming.SAMPLER_METHODS, MiniSampler),
-    Part("07", "detokenizer", "MyDetokenizer", sampling_streaming.check_detokenizer, "incremental detokenizer",
-         "detokenizer", sampling_streaming.DETOKENIZER_METHODS, MiniIncrementalDetokenizer),
-    Part("08", "prefix_caching", "MyBlockManager", prefix_caching.check_prefix_cache, "block manager: prefix caching",
-         "block_manager_cls", prefix_caching.METHODS, MiniBlockManager),
-    Part("09", "chunked_prefill", "MyScheduler", chunked_prefill.check_chunked_prefill, "scheduler: chunked prefill",
-         "scheduler_cls", chunked_prefill.METHODS, MiniScheduler),
-    Part("10", "preemption", "MyScheduler", preemption.check_preemption, "scheduler: preemption", "scheduler_cls",
-         preemption.METHODS, MiniScheduler),
-    Part("11", "metrics", "request_latencies", check_request_latencies, "request latencies"),
-    Part("11", "metrics", "goodput", check_goodput, "goodput"),
-    Part("12", "graph_runner", "MyGraphRunner", where_time_goes.check_graph_runner,
-         "CUDA-graph decode batch: the padding rule", "graph_runner_cls", where_time_goes.METHODS,
-         MiniDecodeGraphRunner),
-    Part("13", "engine_loop", "MyEngineLoop", serving.check_engine_loop, "the server's engine loop (AsyncLLM)",
-         None, serving.METHODS, MiniEngineLoop),
-    Part("14", "offload_tier", "MyOffloadTier", kv_offload.check_offload_tier, "CPU offload tier of the prefix cache",
-         "offload_tier_cls", kv_offload.METHODS, MiniOffloadTier),
-    Part("15", "tensor_parallel", "shard_weight", check_shard_weight, "tensor-parallel shards of a Llama layer"),
-    Part("16", "disaggregation", "MyHandoff", disaggregation.check_kv_handoff,
-         "KV handoff: ownership and fingerprints", None, disaggregation.METHODS),
-    Part("17", "spec_decode", "MySpecAcceptor", spec_decode.check_spec_acceptor,
-         "speculative decoding: accept, rollback", "spec_acceptor_cls", spec_decode.METHODS, MiniSpecAcceptor),
-    Part("18", "kernels_inner.cpp", "kernels", kernels.check_kernels, "kernels: attention tile, Q4_1 dot (C++)",
-         "kernels"),
-    Part("19", "grammar_masker", "MyGrammarMasker", structured_output.check_grammar_masker,
-         "structured outputs: the grammar's mask", "grammar_masker_cls", structured_output.METHODS,
-         MiniGrammarMasker),
+    Part("01", "prefill_decode", "generate_cached", "exercises.prefill_decode:check_generate_cached",
+         "generate with a KV cache"),
+    Part("02", "chunked_attention", "chunked_causal", "exercises.chunked_prefill_exact:check_chunked_causal",
+         "chunked causal attention"),
+    Part("03", "kv_cache_memory", "kv_bytes_per_token", "exercises.kv_cache_memory:check_kv_bytes_per_token",
+         "KV bytes per token"),
+    Part("03", "paged_waste", "paged_waste", "exercises.kv_cache_memory:check_paged_waste",
+         "what a paged cache leaves empty"),
+    Part("04", "block_manager", "MyBlockManager", "exercises.block_manager:check_block_manager",
+         "block manager: allocate, free, slots", "block_manager_cls", "exercises.block_manager:METHODS",
+         "block_manager:MiniBlockManager"),
+    Part("05", "paged_attention", "MyPagedKVCache", "exercises.paged_attention:check_paged_attention",
+         "paged attention", "attention_backend", "exercises.paged_attention:METHODS", "attention:MiniPagedKVCache"),
+    Part("06", "scheduler_admission", "MyScheduler", "exercises.continuous_batching:check_scheduler",
+         "scheduler: decodes first, admission", "scheduler_cls", "exercises.continuous_batching:METHODS",
+         "scheduler:MiniScheduler"),
+    Part("07", "sampler", "MySampler", "exercises.sampling_streaming:check_sampler", "sampler", "sampler",
+         "exercises.sampling_streaming:SAMPLER_METHODS", "sampler:MiniSampler"),
+    Part("07", "detokenizer", "MyDetokenizer", "exercises.sampling_streaming:check_detokenizer",
+         "incremental detokenizer", "detokenizer", "exercises.sampling_streaming:DETOKENIZER_METHODS",
+         "detokenizer:MiniIncrementalDetokenizer"),
+    Part("08", "prefix_caching", "MyBlockManager", "exercises.prefix_caching:check_prefix_cache",
+         "block manager: prefix caching", "block_manager_cls", "exercises.prefix_caching:METHODS",
+         "block_manager:MiniBlockManager"),
+    Part("09", "chunked_prefill", "MyScheduler", "exercises.chunked_prefill:check_chunked_prefill",
+         "scheduler: chunked prefill", "scheduler_cls", "exercises.chunked_prefill:METHODS",
+         "scheduler:MiniScheduler"),
+    Part("10", "preemption", "MyScheduler", "exercises.preemption:check_preemption", "scheduler: preemption",
+         "scheduler_cls", "exercises.preemption:METHODS", "scheduler:MiniScheduler"),
+    Part("11", "metrics", "request_latencies", "exercises.benchmarks:check_request_latencies", "request latencies"),
+    Part("11", "metrics", "goodput", "exercises.benchmarks:check_goodput", "goodput"),
+    Part("12", "graph_runner", "MyGraphRunner", "exercises.where_time_goes:check_graph_runner",
+         "CUDA-graph decode batch: the padding rule", "graph_runner_cls", "exercises.where_time_goes:METHODS",
+         "cuda_graphs:MiniDecodeGraphRunner"),
+    Part("13", "engine_loop", "MyEngineLoop", "exercises.serving:check_engine_loop",
+         "the server's engine loop (AsyncLLM)", None, "exercises.serving:METHODS",
+         "serving.engine_loop:MiniEngineLoop"),
+    Part("14", "offload_tier", "MyOffloadTier", "exercises.kv_offload:check_offload_tier",
+         "CPU offload tier of the prefix cache", "offload_tier_cls", "exercises.kv_offload:METHODS",
+         "kv_tier:MiniOffloadTier"),
+    Part("15", "tensor_parallel", "shard_weight", "exercises.tensor_parallel:check_shard_weight",
+         "tensor-parallel shards of a Llama layer"),
+    Part("16", "disaggregation", "MyHandoff", "exercises.disaggregation:check_kv_handoff",
+         "KV handoff: ownership and fingerprints", None, "exercises.disaggregation:METHODS"),
+    Part("17", "spec_decode", "MySpecAcceptor", "exercises.spec_decode:check_spec_acceptor",
+         "speculative decoding: accept, rollback", "spec_acceptor_cls", "exercises.spec_decode:METHODS",
+         "spec_decode:MiniSpecAcceptor"),
+    Part("18", "kernels_inner.cpp", "kernels", "exercises.kernels:check_kernels",
+         "kernels: attention tile, Q4_1 dot (C++)", "kernels"),
+    Part("19", "grammar_masker", "MyGrammarMasker", "exercises.structured_output:check_grammar_masker",
+         "structured outputs: the grammar's mask", "grammar_masker_cls", "exercises.structured_output:METHODS",
+         "sampler:MiniGrammarMasker"),
 ]
 
 CHAPTERS = sorted({p.chapter for p in PARTS})  # the chapters whose exercises have a part: status --chapters
@@ -153,6 +173,9 @@ def _part_status(part: Part, parts_dir: Path, run_check: bool, live: bool) -> tu
     path = Path(parts_dir) / part.file
     if not path.exists():
         return "missing", f"{path} does not exist: run exercise {part.chapter}'s %%writefile cell"
+    from minivllm.exercises._common import NOT_WRITTEN, unwritten  # torch and the engine: only for a file there
+    from minivllm.exercises.live import load_part
+
     try:
         obj = load_part(part.module, part.name, parts_dir)
     except BaseException as e:  # a syntax error, a missing name, sys.exit: the reader's file, reported
@@ -176,6 +199,8 @@ def status(parts_dir: Path = PARTS_DIR, chapters: list[str] | None = None, run_c
     """Print one line per part (chapters: only those); True when every part listed is written and passes its
     check's targeted cases (and, with ``live``, its live run)."""
     if chapters:
+        from minivllm.config import check
+
         unknown = sorted(set(chapters) - set(CHAPTERS))
         check(not unknown, "chapters", f"among the exercises' chapters {', '.join(CHAPTERS)}", unknown)
     chosen = [p for p in PARTS if not chapters or p.chapter in chapters]

@@ -18,6 +18,23 @@ import time
 from collections import deque
 
 
+class Progress:
+    """What ``bench`` shows while this runs: the phase and the workload's tokens done so far, in the file the job
+    names (``job["progress"]``), replaced whole at most once a second (minivllm.bench.peers.run_driver reads it)."""
+
+    def __init__(self, path):
+        self.path, self.last = path, -1.0
+
+    def __call__(self, phase, done=0, force=False):
+        t = time.perf_counter()
+        if not self.path or (not force and t - self.last < 1.0):
+            return
+        self.last = t
+        with open(f"{self.path}.tmp", "w") as f:
+            f.write(f"{phase}\t{done}")
+        os.replace(f"{self.path}.tmp", self.path)
+
+
 class Slots:
     """The running sequences: request index, prompt tokens fed, tokens generated, per KV sequence id."""
 
@@ -53,8 +70,9 @@ def _fill(batch, slots, prompts, ids, n_batch):
     return rows
 
 
-def run(lib, ctx, batch, n_batch, n_slots, prompts, max_tokens, n_vocab):
-    """Every request queued at once, decoded to the end; (token ids, token times, seconds)."""
+def run(lib, ctx, batch, n_batch, n_slots, prompts, max_tokens, n_vocab, progress=None):
+    """Every request queued at once, decoded to the end; (token ids, token times, seconds). ``progress(done)``
+    after each step, with the output tokens so far."""
     import numpy as np
 
     mem = lib.llama_get_memory(ctx)
@@ -78,6 +96,8 @@ def run(lib, ctx, batch, n_batch, n_slots, prompts, max_tokens, n_vocab):
                 lib.llama_memory_seq_rm(mem, seq, -1, -1)
                 del slots.running[seq]
                 slots.free.append(seq)
+        if progress is not None:
+            progress(sum(map(len, ids)))
     return ids, times, time.perf_counter() - start
 
 
@@ -86,6 +106,8 @@ def main(job_path, result_path):
 
     job = json.load(open(job_path))
     s = job["settings"]
+    progress = Progress(job.get("progress"))
+    progress("loading", force=True)
     began = time.perf_counter()
     lib.llama_backend_init()
     mparams = lib.llama_model_default_params()
@@ -101,10 +123,13 @@ def main(job_path, result_path):
         raise RuntimeError(f"llama_init_from_model failed with {s}")
     n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
     batch = lib.llama_batch_init(s["n_batch"], 0, 1)
-    go = lambda ps, ns, slots=s["n_seq_max"]: run(lib, ctx, batch, s["n_batch"], slots, ps, ns, n_vocab)  # noqa: E731
+    go = lambda ps, ns, slots=s["n_seq_max"], on=None: run(lib, ctx, batch, s["n_batch"], slots, ps, ns,  # noqa: E731
+                                                           n_vocab, on)
     go([job["prompts"][0][:8]], [2])  # warm-up
     startup = time.perf_counter() - began
-    ids, times, secs = go(job["prompts"], job["max_tokens"])
+    progress("running", force=True)
+    ids, times, secs = go(job["prompts"], job["max_tokens"], on=lambda done: progress("running", done))
+    progress("batch-1 TPOT", sum(map(len, ids)), force=True)
     p, k = job["tpot"]["prompt"], job["tpot"]["tokens"]
     tpot = statistics.median((go([p], [1 + k])[2] - go([p], [1])[2]) / k for _ in range(job["tpot"]["repeats"]))
     env = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GGML_", "LLAMA_"))}

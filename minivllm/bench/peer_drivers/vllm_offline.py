@@ -18,8 +18,26 @@ import sys
 import time
 
 
-def run(engine, prompts, max_tokens):
-    """Every request queued at once, stepped to the end; (token ids, token times, seconds)."""
+class Progress:
+    """What ``bench`` shows while this runs: the phase and the workload's tokens done so far, in the file the job
+    names (``job["progress"]``), replaced whole at most once a second (minivllm.bench.peers.run_driver reads it)."""
+
+    def __init__(self, path):
+        self.path, self.last = path, -1.0
+
+    def __call__(self, phase, done=0, force=False):
+        t = time.perf_counter()
+        if not self.path or (not force and t - self.last < 1.0):
+            return
+        self.last = t
+        with open(f"{self.path}.tmp", "w") as f:
+            f.write(f"{phase}\t{done}")
+        os.replace(f"{self.path}.tmp", self.path)
+
+
+def run(engine, prompts, max_tokens, progress=None):
+    """Every request queued at once, stepped to the end; (token ids, token times, seconds). ``progress(done)``
+    after each step, with the output tokens so far."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -36,6 +54,8 @@ def run(engine, prompts, max_tokens):
             t = time.perf_counter() - start
             ids[int(out.request_id)] += list(new)
             times[int(out.request_id)] += [t] * len(new)
+        if progress is not None:
+            progress(sum(map(len, ids)))
     return ids, times, time.perf_counter() - start
 
 
@@ -49,6 +69,8 @@ def batch1_tpot(engine, prompt, tokens, repeats):
 def main(job_path, result_path):
     job = json.load(open(job_path))
     s = job["settings"]
+    progress = Progress(job.get("progress"))
+    progress("loading", force=True)
     import vllm
     from vllm import LLM
 
@@ -59,7 +81,9 @@ def main(job_path, result_path):
     engine = llm.llm_engine
     run(engine, [job["prompts"][0][:8]], [2])  # warm-up
     startup = time.perf_counter() - began
-    ids, times, secs = run(engine, job["prompts"], job["max_tokens"])
+    progress("running", force=True)
+    ids, times, secs = run(engine, job["prompts"], job["max_tokens"], lambda done: progress("running", done))
+    progress("batch-1 TPOT", sum(map(len, ids)), force=True)
     tpot = batch1_tpot(engine, job["tpot"]["prompt"], job["tpot"]["tokens"], job["tpot"]["repeats"])
     env = {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}
     json.dump({"token_ids": ids, "token_times": times, "seconds": secs, "batch1_tpot": tpot,
