@@ -396,7 +396,7 @@ def measured_peers(path: Path = MEASURED) -> dict:
 
 def measured_peer_table(data: dict | None = None) -> str:
     """:func:`measured_peers` as text: the rows, the median of each peer's round-by-round ratio, then when,
-    where and how the figures were taken."""
+    where and how the figures were taken; every line within 100 characters (longer ones wrapped)."""
     data = measured_peers() if data is None else data
     lines = [f"{'system':<20} {'tok/s':>6} {'minivllm / it':>13} {'batch-1 TPOT':>12} {'prefill':>8} "
              f"{'decode step':>11}  greedy"]
@@ -410,7 +410,11 @@ def measured_peer_table(data: dict | None = None) -> str:
               f"workload: {data['workload']}"] + [f"  $ {c}" for c in data["commands"]]
     if data.get("note"):
         lines.append(f"note: {data['note']}")
-    return "\n".join(lines)
+    import textwrap  # here, not at the top: the lines wrap to the book's column, 100 characters
+
+    return "\n".join(wrapped for line in lines
+                     for wrapped in textwrap.wrap(line, 100, subsequent_indent="      ", break_long_words=False,
+                                                  break_on_hyphens=False) or [""])
 
 
 # -- python -m minivllm.bench peers ---------------------------------------------------------------------
