@@ -280,8 +280,8 @@ class MachineLimits:
 
     def __str__(self) -> str:
         by = ", ".join(f"{t} tokens {f / 1e9:.0f}" for t, f in self.flops_by_tokens.items())
-        return (f"matmul {self.flops / 1e9:.0f} GFLOP/s at best ({by} GFLOP/s), "
-                f"memory {self.bandwidth / 1e9:.1f} GB/s")
+        return (f"matmul {self.flops / 1e9:.0f} GFLOP/s at best, memory {self.bandwidth / 1e9:.1f} GB/s\n"
+                f"  matmul by tokens: {by} GFLOP/s")  # two lines: each within 100 characters
 
 
 def _linears(model):
