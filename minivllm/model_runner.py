@@ -226,7 +226,8 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[rows])
 
-    def run_prefill_chunk(self, seq: Sequence, chunk_token_ids: list[int], start_pos: int) -> int | None:
+    def run_prefill_chunk(self, seq: Sequence, chunk_token_ids: list[int],
+                          start_pos: int) -> int | None:
         """Prefill ``chunk_token_ids`` of ``seq`` at positions ``start_pos`` onward (chapter 09).
 
         The chunk attends to every cached token before ``start_pos`` and causally
@@ -235,8 +236,10 @@ class ModelRunner:
         Returns the sampled token if the chunk ends the sequence, else None.
         """
         end = start_pos + len(chunk_token_ids)
-        chunk = ScheduledChunk(seq, start_pos, len(chunk_token_ids), slots(seq.block_table, start_pos, end, self.block_size))
+        chunk_slots = slots(seq.block_table, start_pos, end, self.block_size)
+        chunk = ScheduledChunk(seq, start_pos, len(chunk_token_ids), chunk_slots)
         if seq.token_slice(chunk.start, chunk.end) != list(chunk_token_ids):
-            raise ValueError("chunk_token_ids must be the sequence's tokens at [start_pos, start_pos + len)")
+            raise ValueError("chunk_token_ids must be the sequence's tokens at "
+                             "[start_pos, start_pos + len)")
         out = self.run([chunk])
         return out.token_ids[0] if out.token_ids else None

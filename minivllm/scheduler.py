@@ -515,7 +515,8 @@ class MiniScheduler(Scheduler):
         if n <= budget:
             return n
         running = seq.status in (S.RUNNING, S.PREFILLING)
-        return budget if cfg.enable_chunked_prefill or running or n > cfg.max_num_batched_tokens else 0
+        cut = cfg.enable_chunked_prefill or running or n > cfg.max_num_batched_tokens
+        return budget if cut else 0
 
     def choose_victim(self, requester: Sequence) -> Sequence | None:
         below = [s for s in self.running if s.rank > requester.rank]

@@ -270,10 +270,15 @@ class ReservingBlockManager(MiniBlockManager):
 
 def format_results(results: list[BenchResult], reference: BenchResult | None = None, slo: dict | None = None,
                    roofline_seconds: float | None = None) -> str:
-    """One line per system: time, output tok/s, ratio to ``reference``, TTFT/TPOT/ITL in ms, same outputs."""
+    """One line per system: time, output tok/s, ratio to ``reference``, TTFT/TPOT/ITL in ms, same outputs.
+
+    The name column is as wide as the longest name (at most 42 characters), the others as their
+    headers, so a table of the ladder's or the HF baselines' names fits in 100 characters.
+    """
     ref = reference or results[0]
-    head = (f"{'system':<42} {'time s':>7} {'tok/s':>8} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9} "
-            f"{'TPOT p50':>9} {'ITL p99':>8} {'same':>6}")
+    width = min(42, max(len("system"), *(len(r.name) for r in results)))
+    head = (f"{'system':<{width}} {'time s':>6} {'tok/s':>6} {'ratio':>5} {'TTFT p50':>8} {'TTFT p99':>8} "
+            f"{'TPOT p50':>8} {'ITL p99':>7} {'same':>5}")
     if slo:
         head += f" {'goodput':>8}"
     if roofline_seconds:
@@ -281,15 +286,15 @@ def format_results(results: list[BenchResult], reference: BenchResult | None = N
     lines = [head]
     for r in results:
         m = r.metrics(slo)
-        line = (f"{r.name[:42]:<42} {r.seconds:7.2f} {r.throughput:8.1f} {r.throughput / ref.throughput:5.2f}x "
-                f"{m.ttft.p50 * 1e3:8.0f}ms {m.ttft.p99 * 1e3:8.0f}ms {m.tpot.p50 * 1e3:8.1f}ms "
-                f"{m.itl.p99 * 1e3:6.0f}ms {same_outputs(r, ref):>3}/{len(r.token_ids):<2}")
+        line = (f"{r.name[:width]:<{width}} {r.seconds:6.2f} {r.throughput:6.1f} {r.throughput / ref.throughput:4.2f}x "
+                f"{m.ttft.p50 * 1e3:6.0f}ms {m.ttft.p99 * 1e3:6.0f}ms {m.tpot.p50 * 1e3:6.1f}ms "
+                f"{m.itl.p99 * 1e3:5.0f}ms {same_outputs(r, ref):>2}/{len(r.token_ids):<2}")
         if slo:
             line += f" {m.goodput:6.2f}/s"
         if roofline_seconds:
             line += f" {roofline_seconds / r.seconds:8.0%}"
         lines.append(line)
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 # -- The machine's limits and the workload's roofline ----------------------------------------------------
@@ -304,8 +309,8 @@ class MachineLimits:
 
     def __str__(self) -> str:
         by = ", ".join(f"{t} tokens {f / 1e9:.0f}" for t, f in self.flops_by_tokens.items())
-        return (f"matmul {self.flops / 1e9:.0f} GFLOP/s at best ({by} GFLOP/s), "
-                f"memory {self.bandwidth / 1e9:.1f} GB/s")
+        return (f"matmul {self.flops / 1e9:.0f} GFLOP/s at best, memory {self.bandwidth / 1e9:.1f} GB/s\n"
+                f"  matmul by tokens: {by} GFLOP/s")  # two lines: each within 100 characters
 
 
 def _linears(model):

@@ -422,24 +422,32 @@ def peer_table(ours: BenchResult, our_tpot: float, runs: dict) -> str:
     Every request is queued at once, so the prefill phase is the time until the last request has its first
     token (the largest TTFT), and the decode step is the median gap between two tokens of a request (ITL),
     nearly every step then decoding the whole batch: which of the two a peer does faster is what a ratio of
-    throughputs cannot say."""
+    throughputs cannot say. Every line within 100 characters (longer ones wrapped)."""
     def phases(r: BenchResult) -> str:
         m = r.metrics()
         return f"{m.ttft.max:11.2f}s {m.itl.p50 * 1e3:9.1f}ms"
 
-    head = (f"{'system':<44} {'tok/s':>7} {'x minivllm':>10} {'batch-1 TPOT':>12} {'prefill':>12} "
-            f"{'decode step':>11}  greedy agreement with minivllm")
-    lines = [head, f"{'minivllm':<44} {ours.throughput:7.1f} {1:9.2f}x {our_tpot * 1e3:10.1f}ms {phases(ours)}  -"]
+    width = max(len("minivllm"), *(len(run.result.name) for run in runs.values()))
+    head = (f"{'system':<{width}} {'tok/s':>7} {'x minivllm':>10} {'batch-1 TPOT':>12} {'prefill':>12} "
+            f"{'decode step':>11}")
+    lines = [head, f"{'minivllm':<{width}} {ours.throughput:7.1f} {1:9.2f}x {our_tpot * 1e3:10.1f}ms {phases(ours)}"]
     for run in runs.values():
         r = run.result
-        lines.append(f"{r.name[:44]:<44} {r.throughput:7.1f} {r.throughput / ours.throughput:9.2f}x "
-                     f"{run.batch1_tpot * 1e3:10.1f}ms {phases(r)}  {agreement_line(ours.token_ids, r.token_ids)}")
+        lines.append(f"{r.name:<{width}} {r.throughput:7.1f} {r.throughput / ours.throughput:9.2f}x "
+                     f"{run.batch1_tpot * 1e3:10.1f}ms {phases(r)}")
+    for run in runs.values():
+        agreement = agreement_line(ours.token_ids, run.result.token_ids)
+        lines.append(f"greedy agreement with minivllm, {run.result.name}: {agreement}")
     lines.append("  prefill: until every request had its first token (the largest TTFT); decode step: the median "
                  "gap between two tokens of a request (ITL)")
     for key, run in runs.items():
         lines.append(f"  {key} {run.version}: started in {run.startup_seconds:.0f} s; settings "
                      + ", ".join(f"{k}={v}" for k, v in run.settings.items()))
-    return "\n".join(lines)
+    import textwrap  # here, not at the top: the lines wrap to the book's column, 100 characters
+
+    return "\n".join(wrapped for line in lines
+                     for wrapped in textwrap.wrap(line, 100, subsequent_indent="      ", break_long_words=False,
+                                                  break_on_hyphens=False) or [""])
 
 
 # -- The figures measured once, for readers without the peers (chapter 11) ------------------------------
@@ -465,7 +473,7 @@ def measured_peers(path: Path = MEASURED) -> dict:
 
 def measured_peer_table(data: dict | None = None) -> str:
     """:func:`measured_peers` as text: the rows, the median of each peer's round-by-round ratio, then when,
-    where and how the figures were taken."""
+    where and how the figures were taken; every line within 100 characters (longer ones wrapped)."""
     data = measured_peers() if data is None else data
     lines = [f"{'system':<20} {'tok/s':>6} {'minivllm / it':>13} {'batch-1 TPOT':>12} {'prefill':>8} "
              f"{'decode step':>11}  greedy"]
@@ -479,7 +487,11 @@ def measured_peer_table(data: dict | None = None) -> str:
               f"workload: {data['workload']}"] + [f"  $ {c}" for c in data["commands"]]
     if data.get("note"):
         lines.append(f"note: {data['note']}")
-    return "\n".join(lines)
+    import textwrap  # here, not at the top: the lines wrap to the book's column, 100 characters
+
+    return "\n".join(wrapped for line in lines
+                     for wrapped in textwrap.wrap(line, 100, subsequent_indent="      ", break_long_words=False,
+                                                  break_on_hyphens=False) or [""])
 
 
 # -- python -m minivllm.bench peers ---------------------------------------------------------------------
