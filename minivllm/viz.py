@@ -11,7 +11,32 @@ import numpy as np
 from minivllm.attention import causal_chunk_mask
 from minivllm.config import cdiv
 
-__all__ = ["plot_chunk_mask", "chunk_mask_widget"]
+__all__ = ["plot_chunk_mask", "chunk_mask_widget", "PAGE_WIDTH"]
+
+PAGE_WIDTH = 7.5  # inches: the book's column is ~750 px, so a figure this wide shows at full size and 8 pt is ~11 px
+
+
+def _for_the_page():
+    """In a notebook, draw PNGs at twice their resolution (sharp on every screen), shown at their size.
+
+    A figure is shown at 100 px per inch and scaled down to the column when it is wider: the figures here are
+    at most about :data:`PAGE_WIDTH` wide, with several panels stacked rather than side by side, so that their
+    labels stay readable on the page.
+    """
+    try:
+        from IPython import get_ipython
+        from IPython.core.pylabtools import select_figure_formats
+        from matplotlib_inline.backend_inline import InlineBackend
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None:
+        backend = InlineBackend.instance(parent=shell)  # read again whenever the inline backend is set up
+        backend.figure_formats = {"retina"}
+        select_figure_formats(shell, {"retina"}, **backend.print_figure_kwargs)
+
+
+_for_the_page()
 
 
 def plot_chunk_mask(n: int, chunk_size: int, ax=None):
@@ -524,9 +549,9 @@ def _grid(ax, values, x0, y0, face, label=None, hatch=None):
     for i, v in enumerate(values):
         ax.add_patch(plt.Rectangle((x0 + i, y0), 0.95, 0.9, facecolor=face[i], edgecolor="grey", linewidth=0.6,
                                    hatch=None if hatch is None else hatch[i]))
-        ax.text(x0 + i + 0.47, y0 + 0.45, str(v), ha="center", va="center", fontsize=7)
+        ax.text(x0 + i + 0.47, y0 + 0.45, str(v), ha="center", va="center", fontsize=8)
     if label:
-        ax.text(x0 - 0.3, y0 + 0.45, label, ha="right", va="center", fontsize=7)
+        ax.text(x0 - 0.3, y0 + 0.45, label, ha="right", va="center", fontsize=8)
 
 
 def plot_paged_batch(batch, query_lens, names, axes=None):
@@ -537,20 +562,27 @@ def plot_paged_batch(batch, query_lens, names, axes=None):
     sequence. Then, for each group (decodes apart from prefills), one row per
     sequence: its padded block table (hatched: padding, never read), its
     ``query_index`` (the flat rows it gathers; hatched: padding rows, whose
-    outputs ``out_index`` drops), and beside it the group's mask, query rows
-    against key slots (dark: may attend).
+    outputs ``out_index`` drops), and below it the group's mask, query rows
+    against key slots (dark: may attend). ``axes``: the top one, then each
+    group's two.
     """
+    from matplotlib.ticker import MaxNLocator
+
     colours = plt.get_cmap("tab10").colors
     owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
     groups = list(batch.groups)
-    if axes is None:
-        fig = plt.figure(figsize=(11, 1.2 + 1.9 * len(groups)))
-        grid = fig.add_gridspec(1 + len(groups), 2, width_ratios=(1.4, 1), height_ratios=[0.6] + [1.5] * len(groups))
-        axes = [fig.add_subplot(grid[0, :])] + [fig.add_subplot(grid[1 + g, c]) for g in range(len(groups))
-                                                for c in range(2)]
+    width = max([len(owner)] + [max(g.block_tables.shape[1], g.query_index.shape[1]) for g in groups])
+    if axes is None:  # one column, at the page's width: the flat tokens, then each group's tables above its mask
+        heights = [0.5]
+        for group in groups:
+            rows, queries = group.block_tables.shape[0], group.mask.shape[0] * group.mask.shape[1]
+            heights += [0.45 + 0.42 * rows, 0.9 + min(0.12 * queries, 1.2)]
+        fig = plt.figure(figsize=(PAGE_WIDTH, sum(heights) + 0.25 * len(heights)))
+        grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
+        axes = [fig.add_subplot(grid[k, 0]) for k in range(len(heights))]
     top = axes[0]
     _grid(top, range(len(owner)), 0, 0, [colours[b % 10] for b in owner], "flat token rows")
-    top.set_xlim(-3.5, max(len(owner), 8) + 0.5)
+    top.set_xlim(-4.2, width + 0.2)
     top.set_ylim(-0.2, 1.1)
     top.axis("off")
     top.set_title("one step's PagedBatch: the flat tokens, then each group as padded rectangles", fontsize=9)
@@ -568,20 +600,21 @@ def plot_paged_batch(batch, query_lens, names, axes=None):
             _grid(left, table, 0, y + 1, [c if u else "white" for u in used], f"{names[b]}: block table",
                   [None if u else "///" for u in used])
             _grid(left, q, 0, y, [c if v else "white" for v in ok], "query_index", [None if v else "///" for v in ok])
-        width = max(len(tables[0]), len(qidx[0]))
-        left.set_xlim(-4.5, width + 0.5)
+        left.set_xlim(-4.2, width + 0.2)
         left.set_ylim(-0.3, 2 * len(tables) + 0.1)
         left.axis("off")
         kind = "decodes" if mask.shape[1] == 1 else "prefills and chunks"
         left.set_title(f"group {g} ({kind}): {len(tables)} rows, tables padded to {len(tables[0])} blocks",
-                       fontsize=8)
+                       fontsize=9)
         right.imshow(mask.reshape(-1, mask.shape[-1]).numpy(), cmap="Greys", aspect="auto", interpolation="nearest")
         for row in range(1, len(tables)):
             right.axhline(row * mask.shape[1] - 0.5, color=colours[3], linewidth=1)
-        right.set_xlabel("key slot of the padded row (block j holds keys j*block_size ...)", fontsize=7)
-        right.set_ylabel("query rows, row after row", fontsize=7)
-        right.set_title(f"group {g} mask {tuple(mask.shape)}: dark = may attend", fontsize=8)
-        right.tick_params(labelsize=6)
+        right.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole rows and key slots, never 0.5
+        right.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(6, mask.shape[0] * mask.shape[1])))
+        right.set_xlabel("key slot of the padded row (block j holds keys j*block_size ...)", fontsize=8)
+        right.set_ylabel("query rows", fontsize=8)
+        right.set_title(f"group {g} mask {tuple(mask.shape)}: dark = may attend", fontsize=9)
+        right.tick_params(labelsize=8)
     plt.tight_layout()
     return axes
 
