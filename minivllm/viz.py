@@ -456,34 +456,39 @@ def _box(ax, xy, text, color="#dce9f5", width=2.6, height=0.8, fontsize=8):
     ax.text(x, y, text, ha="center", va="center", fontsize=fontsize)
 
 
-def _arrow(ax, start, end, text=None, rad=0.0, color="#333333", text_dy=0.18):
+def _arrow(ax, start, end, text=None, rad=0.0, color="#333333", text_dy=0.18, text_dx=0.0, ha="center",
+           fontsize=7):
     ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="-|>", color=color, lw=1,
                                                           connectionstyle=f"arc3,rad={rad}"))
     if text:
-        ax.text((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + text_dy, text, ha="center", fontsize=7,
-                color=color)
+        ax.text((start[0] + end[0]) / 2 + text_dx, (start[1] + end[1]) / 2 + text_dy, text, ha=ha,
+                va="center", fontsize=fontsize, color=color)
 
 
 def plot_engine_loop(ax=None):
     """One engine step as a loop: schedule, copy blocks, forward, sample, update, detokenize (chapters 00, 06)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3.4))
-    stages = [((1.5, 2.4), "LLM.generate / add_request\nvalidate, queue a Sequence", "#f5e6d3"),
-              ((4.6, 2.4), "Scheduler.schedule()\ndecodes, prefills, admissions\nblocks from the BlockManager",
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.3))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.92)
+    stages = [((1.3, 2.5), "LLM.generate /\nadd_request: validate,\nqueue a Sequence", "#f5e6d3"),
+              ((4.6, 2.5), "Scheduler.schedule()\ndecodes, prefills,\nadmissions; blocks\nfrom the BlockManager",
                "#dce9f5"),
-              ((7.7, 2.4), "ModelRunner\nblock copies, one forward,\nsample the last rows", "#dff0d8"),
-              ((7.7, 0.6), "Scheduler.update()\nappend tokens, stop, free,\nregister cached blocks", "#dce9f5"),
-              ((4.6, 0.6), "detokenize, stop strings\nRequestOutput (deltas)", "#f5e6d3")]
+              ((7.9, 2.5), "ModelRunner\nblock copies,\none forward, sample\nthe last rows", "#dff0d8"),
+              ((7.9, 0.45), "Scheduler.update()\nappend tokens, stop,\nfree, register\ncached blocks", "#dce9f5"),
+              ((4.6, 0.45), "detokenize,\nstop strings,\nRequestOutput\n(deltas)", "#f5e6d3")]
     for xy, text, color in stages:
-        _box(ax, xy, text, color, width=2.8, height=1.1)
-    _arrow(ax, (2.9, 2.4), (3.2, 2.4))
-    _arrow(ax, (6.0, 2.4), (6.3, 2.4), "SchedulerOutput", text_dy=0.65)
-    _arrow(ax, (7.7, 1.85), (7.7, 1.15), "sampled ids")
-    _arrow(ax, (6.3, 0.6), (6.0, 0.6))
-    _arrow(ax, (4.6, 1.15), (4.6, 1.85), "next step", color="#888888", text_dy=0.0)
-    _arrow(ax, (3.2, 0.6), (1.5, 1.85), "stream to the caller", rad=-0.2, color="#888888")
-    ax.set_xlim(0, 9.3)
-    ax.set_ylim(-0.1, 3.1)
+        _box(ax, xy, text, color, width=2.4, height=1.25, fontsize=8)
+    _arrow(ax, (2.5, 2.5), (3.4, 2.5))
+    _arrow(ax, (5.8, 2.5), (6.7, 2.5), "Scheduler-\nOutput", text_dy=0.3, fontsize=7.5)
+    _arrow(ax, (7.9, 1.875), (7.9, 1.075), "sampled ids", text_dy=0.0, text_dx=0.1, ha="left", fontsize=7.5)
+    _arrow(ax, (6.7, 0.45), (5.8, 0.45))
+    _arrow(ax, (4.6, 1.075), (4.6, 1.875), "next step", color="#777777", text_dy=0.0, text_dx=0.1, ha="left",
+           fontsize=7.5)
+    ax.plot([3.4, 1.3], [0.45, 0.45], color="#777777", lw=1)  # the deltas go back to the caller
+    _arrow(ax, (1.3, 0.45), (1.3, 1.875), "stream to\nthe caller", color="#777777", text_dy=-0.25, text_dx=-0.1,
+           ha="right", fontsize=7.5)
+    ax.set_xlim(0, 9.2)
+    ax.set_ylim(-0.25, 3.2)
     ax.axis("off")
     ax.set_title("one engine step (LLMEngine.step): every request moves through it together", fontsize=9)
     return ax
@@ -627,34 +632,42 @@ __all__ += ["plot_serving_paths"]
 def plot_serving_paths(ax=None):
     """The event loop, the engine's loop thread and the per-request queues, with one request's path (chapter 13)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 4.4))
-    red = "#c0392b"
-    ax.add_patch(plt.Rectangle((0.1, 0.1), 4.6, 3.6, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
-    ax.text(2.4, 3.5, "event loop thread (uvicorn + FastAPI)", ha="center", fontsize=8, color="#555555")
-    ax.add_patch(plt.Rectangle((5.6, 0.1), 4.9, 3.6, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
-    ax.text(8.05, 3.5, "engine loop thread (EngineLoop.turn)", ha="center", fontsize=8, color="#555555")
-    for k, y in enumerate((2.6, 1.7, 0.8)):
-        _box(ax, (1.2, y), f"handler, request {k}", "#f5e6d3" if k else "#fbd3a5", width=1.8, height=0.6)
-        _box(ax, (3.6, y), f"asyncio.Queue {k}", "#dff0d8" if k else "#b9e0a5", width=1.7, height=0.6)
-        _arrow(ax, (2.75, y), (2.1, y), None, color="#2c7a2c")
-    _box(ax, (6.5, 2.6), "inbox\n(new, aborts)", "#dce9f5", width=1.3, height=0.7)
-    _box(ax, (8.6, 2.6), "LLMEngine.step()\nschedule, forward,\nsample, detokenize", "#dce9f5", width=2.1,
-         height=1.0)
-    _box(ax, (8.6, 0.9), "route: each output\nto its request's queue", "#dce9f5", width=2.1, height=0.8)
-    _arrow(ax, (7.15, 2.6), (7.55, 2.6))
-    _arrow(ax, (8.6, 2.1), (8.6, 1.3))
-    _arrow(ax, (9.65, 0.9), (9.65, 2.1), "next step", color="#888888", rad=0.6, text_dy=0.0)
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 4.0))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.93)
+    red, fs = "#c0392b", 7.5
+    ax.add_patch(plt.Rectangle((0.1, 0.05), 4.6, 3.75, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
+    ax.text(2.4, 3.62, "event loop thread (uvicorn + FastAPI)", ha="center", va="center", fontsize=8,
+            color="#555555")
+    ax.add_patch(plt.Rectangle((5.3, 0.05), 5.4, 3.75, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
+    ax.text(8.0, 3.62, "engine loop thread (EngineLoop.turn)", ha="center", va="center", fontsize=8,
+            color="#555555")
+    for k, y in enumerate((2.6, 1.8, 1.0)):
+        _box(ax, (1.2, y), f"handler,\nrequest {k}", "#f5e6d3" if k else "#fbd3a5", width=1.6, height=0.6,
+             fontsize=fs)
+        _box(ax, (3.55, y), f"asyncio.Queue {k}", "#dff0d8" if k else "#b9e0a5", width=1.9, height=0.6, fontsize=fs)
+        _arrow(ax, (2.6, y), (2.0, y), None, color="#2c7a2c")
+    _box(ax, (6.2, 2.6), "inbox\n(new,\naborts)", "#dce9f5", width=1.2, height=0.85, fontsize=fs)
+    _box(ax, (8.45, 2.6), "LLMEngine.step()\nschedule, forward,\nsample, detokenize", "#dce9f5", width=2.5,
+         height=0.85, fontsize=fs)
+    _box(ax, (8.45, 1.15), "route: each output\nto its request's queue", "#dce9f5", width=2.5, height=0.7,
+         fontsize=fs)
+    _arrow(ax, (6.8, 2.6), (7.2, 2.6))
+    _arrow(ax, (8.45, 2.175), (8.45, 1.5))
+    _arrow(ax, (9.7, 1.15), (9.7, 2.175), "next\nstep", color="#888888", rad=0.6, text_dy=0.0, text_dx=0.52,
+           ha="left", fontsize=fs)
     # one request's path, numbered
-    ax.plot([1.2, 1.2, 6.5], [2.9, 3.15, 3.15], color=red, lw=1)
-    _arrow(ax, (6.5, 3.15), (6.5, 2.95), color=red)
-    ax.text(3.85, 3.2, "1 add_request: validate, put in the inbox", ha="center", fontsize=7, color=red)
-    ax.text(8.6, 3.2, "2 the request joins the batch", ha="center", fontsize=7, color=red)
-    _arrow(ax, (7.55, 0.75), (4.45, 2.45), color=red)
-    ax.text(8.05, 0.22, "3 call_soon_threadsafe(queue.put_nowait, output)", ha="center", fontsize=7, color=red)
-    ax.text(2.4, 0.2, "4 the handler awaits its queue, sends each delta as an\n"
-            "SSE chunk; if the client leaves, it aborts the request", ha="center", fontsize=7, color=red)
-    ax.set_xlim(0, 10.6)
-    ax.set_ylim(-0.15, 3.8)
+    ax.plot([1.2, 1.2, 6.2], [2.9, 3.15, 3.15], color=red, lw=1)
+    _arrow(ax, (6.2, 3.15), (6.2, 3.025), color=red)
+    ax.text(3.7, 3.2, "1 add_request: validate, put in the inbox", ha="center", va="bottom", fontsize=fs,
+            color=red)
+    ax.text(8.45, 3.2, "2 the request joins the batch", ha="center", va="bottom", fontsize=fs, color=red)
+    _arrow(ax, (7.2, 0.95), (4.5, 2.45), color=red)
+    ax.text(8.0, 0.4, "3 call_soon_threadsafe(\nqueue.put_nowait, output)", ha="center", va="center", fontsize=fs,
+            color=red)
+    ax.text(2.4, 0.4, "4 the handler awaits its queue, sends each\ndelta as an SSE chunk; if the client "
+            "leaves,\nit aborts the request", ha="center", va="center", fontsize=fs, color=red)
+    ax.set_xlim(0, 10.8)
+    ax.set_ylim(0, 3.85)
     ax.axis("off")
     ax.set_title("AsyncLLM: the engine never runs on the event loop; each request reads only its own queue",
                  fontsize=9)
