@@ -713,30 +713,33 @@ def plot_engine_processes(before: float, device: float, after: float, axes=None)
     and with asynchronous scheduling (right): ``before`` schedule and prepare, ``device`` the forward and the
     logits, ``after`` update and detokenize, in seconds (chapter 13)."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [1.15, 1]})
+        fig, axes = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 7.6), gridspec_kw={"height_ratios": [1.25, 1]})
+        fig.subplots_adjust(left=0.09, right=0.99, bottom=0.07, top=0.96, hspace=0.22)
     ax = axes[0]
     for x, w, y, h, label in ((0.1, 4.5, 3.0, 3.0, "vLLM V1: API server process"),
                               (5.5, 4.6, 3.0, 3.0, "vLLM V1: EngineCore process"),
                               (0.1, 10.0, 0.05, 2.65, "minivllm: one process (AsyncLLM), one GIL")):
         ax.add_patch(plt.Rectangle((x, y), w, h, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
         ax.text(x + w / 2, y + h - 0.3, label, ha="center", fontsize=8, color="#555555")
+    fs = 7.5
     _box(ax, (2.35, 4.85), "uvicorn event loop: HTTP, JSON,\ntokenize (input processor)", "#f5e6d3",
-         width=3.9, height=0.75, fontsize=7)
+         width=3.9, height=0.75, fontsize=fs)
     _box(ax, (2.35, 3.8), "AsyncLLM: OutputProcessor\ndetokenize, a queue per request", "#f5e6d3", width=3.9,
-         height=0.75, fontsize=7)
-    _box(ax, (7.8, 4.95), "input thread: ZMQ -> input_queue", "#dce9f5", width=4.0, height=0.5, fontsize=7)
-    _box(ax, (7.8, 4.25), "run_busy_loop: schedule, execute,\nupdate (a GIL of its own)", "#dce9f5", width=4.0,
-         height=0.7, fontsize=7)
-    _box(ax, (7.8, 3.45), "output thread: output_queue -> ZMQ", "#dce9f5", width=4.0, height=0.5, fontsize=7)
-    _arrow(ax, (4.3, 4.75), (5.8, 4.9), "ZMQ,", text_dy=-0.32)
-    _arrow(ax, (5.8, 3.45), (4.3, 3.7), "msgpack", text_dy=0.22)
+         height=0.75, fontsize=fs)
+    _box(ax, (7.8, 4.95), "input thread: ZMQ -> input_queue", "#dce9f5", width=4.2, height=0.5, fontsize=fs)
+    _box(ax, (7.8, 4.25), "run_busy_loop: schedule, execute,\nupdate (a GIL of its own)", "#dce9f5", width=4.2,
+         height=0.7, fontsize=fs)
+    _box(ax, (7.8, 3.45), "output thread: output_queue -> ZMQ", "#dce9f5", width=4.2, height=0.5, fontsize=fs)
+    _arrow(ax, (4.3, 4.85), (5.7, 4.95))
+    _arrow(ax, (5.7, 3.45), (4.3, 3.7))
+    ax.text(5.05, 4.3, "ZMQ,\nmsgpack", ha="center", va="center", fontsize=fs)
     _box(ax, (2.6, 1.25), "event loop thread: HTTP, JSON,\ntokenize, each request's handler", "#f5e6d3",
-         width=4.2, height=0.9, fontsize=7)
+         width=4.2, height=0.9, fontsize=fs)
     _box(ax, (7.6, 1.25), "engine loop thread: inbox, LLMEngine.step\n(schedule, forward, sample, update,\n"
-         "detokenize), route to the queues", "#dce9f5", width=4.4, height=1.1, fontsize=7)
+         "detokenize), route to the queues", "#dce9f5", width=4.6, height=1.1, fontsize=fs)
     _arrow(ax, (4.7, 1.45), (5.4, 1.45))
     _arrow(ax, (5.4, 1.0), (4.7, 1.0))
-    ax.text(5.05, 0.3, "Python runs on one of the two threads at a time", ha="center", fontsize=7,
+    ax.text(5.05, 0.3, "Python runs on one of the two threads at a time", ha="center", fontsize=fs,
             color="#c0392b")
     ax.set_xlim(0, 10.2)
     ax.set_ylim(0, 6.0)
@@ -755,14 +758,14 @@ def plot_engine_processes(before: float, device: float, after: float, axes=None)
                         edgecolor="#333333", linewidth=0.5)
                 if length > 0.03 * span:  # the step's number, where it fits
                     ax.text(1e3 * (start + length / 2), row + dy, label.split()[1], ha="center",
-                            va="center", fontsize=7)
+                            va="center", fontsize=8)
         ax.text(0, row + 0.48, ("asynchronous scheduling" if overlap else "synchronous") +
                 f": a step every {1e3 * lanes['period']:.1f} ms once running", fontsize=8)
     ax.set_yticks([0.2, -0.2, 1.7, 1.3], ["host", "device", "host", "device"], fontsize=8)
     ax.set_ylim(-0.9, 2.2)
     ax.set_xlabel("ms (measured phases, three steps)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, ["schedule, prepare", "update, detokenize", "forward, logits"], fontsize=7,
+    ax.legend(handles, ["schedule, prepare", "update, detokenize", "forward, logits"], fontsize=8,
               loc="lower right")
     ax.set_title("what asynchronous scheduling overlaps (on a GPU)", fontsize=9)
     return axes
