@@ -115,7 +115,9 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
             owners.setdefault(block, []).append((s.request_id, j, min(bs, s.num_tokens - j * bs)))
     if axes is None:
         width = max(len(s.block_table) for s in seqs) if seqs else 1
-        _, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [ncols, max(width, 3)]})
+        nrows = cdiv(bm.num_blocks, ncols)  # the pool above the tables, at the page's width
+        _, axes = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 1.0 + 0.75 * nrows + 0.35 * max(len(seqs), 1)),
+                               gridspec_kw={"height_ratios": [nrows + 0.6, 0.5 * max(len(seqs), 1) + 0.6]})
     ax_pool, ax_tables = axes
     nrows = cdiv(bm.num_blocks, ncols)
     for block in range(bm.num_blocks):
@@ -128,13 +130,12 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
             ax_pool.add_patch(plt.Rectangle((c, y), 1, held / bs, facecolor=colour[rid], alpha=0.85,
                                             hatch="//" if len(who) > 1 else None, edgecolor="grey"))
             label = f"{rid}:{j}" + (f" (x{len(who)})" if len(who) > 1 else "")
-            ax_pool.text(c + 0.5, y + 0.62, label, ha="center", va="center", fontsize=7)
-        ax_pool.text(c + 0.5, y + 0.2, str(block), ha="center", va="center", fontsize=6, color="dimgrey")
+            ax_pool.text(c + 0.5, y + 0.62, label, ha="center", va="center", fontsize=8)
+        ax_pool.text(c + 0.5, y + 0.2, str(block), ha="center", va="center", fontsize=7.5, color="dimgrey")
     ax_pool.set_xlim(0, ncols)
     ax_pool.set_ylim(0, nrows)
-    ax_pool.set_aspect("equal")
     ax_pool.axis("off")
-    ax_pool.set_title(f"physical pool: {bm.num_blocks} blocks of {bs} slots, {bm.num_free_blocks} free")
+    ax_pool.set_title(f"physical pool: {bm.num_blocks} blocks of {bs} slots, {bm.num_free_blocks} free", fontsize=10)
     for i, s in enumerate(seqs):
         y = len(seqs) - 1 - i
         for j, block in enumerate(s.block_table):
@@ -145,10 +146,10 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
             ax_tables.text(j + 0.5, y + 0.5, str(block), ha="center", va="center", fontsize=8)
         ax_tables.text(-0.15, y + 0.5, f"{s.request_id} ({s.num_tokens} tok)", ha="right", va="center", fontsize=8)
     width = max((len(s.block_table) for s in seqs), default=1)
-    ax_tables.set_xlim(0, max(width, 3))
+    ax_tables.set_xlim(-2.2, max(width, ncols - 2.2))
     ax_tables.set_ylim(0, max(len(seqs), 1))
     ax_tables.axis("off")
-    ax_tables.set_title("block tables (logical block -> physical block)")
+    ax_tables.set_title("block tables (logical block -> physical block)", fontsize=10)
     return axes
 
 
@@ -173,11 +174,11 @@ def plot_paged_step(block_tables, context_lens, slot_mapping, block_size: int, n
              for b, (table, ctx) in enumerate(zip(block_tables, context_lens)) for pos in range(ctx)}
     nrows = cdiv(num_blocks, ncols)
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 1.1 * nrows * bs / 2 + 0.8))
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 0.9 * nrows * bs / 2 + 1.2))
     for block in range(num_blocks):
         r, c = divmod(block, ncols)
         top = (nrows - r) * (bs + 1.5)
-        ax.text(c + 0.5, top - 0.4, f"block {block}", ha="center", fontsize=7, color="dimgrey")
+        ax.text(c + 0.5, top - 0.4, f"block {block}", ha="center", fontsize=8, color="dimgrey")
         for off in range(bs):
             slot, y = block * bs + off, top - 1.5 - off
             b = owner.get(slot)
@@ -185,13 +186,14 @@ def plot_paged_step(block_tables, context_lens, slot_mapping, block_size: int, n
             ax.add_patch(plt.Rectangle((c + 0.05, y), 0.9, 0.9, facecolor=face, edgecolor="grey",
                                        alpha=1.0 if slot in new_slot else 0.3))
             if slot in new_slot:
-                ax.text(c + 0.5, y + 0.45, str(new_slot[slot]), ha="center", va="center", fontsize=7, color="white")
+                ax.text(c + 0.5, y + 0.45, str(new_slot[slot]), ha="center", va="center", fontsize=8, color="white")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[i % len(colours)]) for i in range(len(names))]
-    ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8, ncol=len(names),
+              frameon=False)
     ax.set_xlim(0, ncols)
     ax.set_ylim(0, nrows * (bs + 1.5))
     ax.axis("off")
-    ax.set_title(f"the pool, {num_blocks} blocks of {bs} slots: pale = earlier steps' KV, "
+    ax.set_title(f"the pool, {num_blocks} blocks of {bs} slots: pale = earlier steps' KV,\n"
                  "solid = this step's new tokens (their row in the flat batch)", fontsize=9)
     return ax
 
@@ -222,7 +224,7 @@ def plot_batch_timeline(steps, request_ids=None, ax=None, title=None):
         request_ids = list(dict.fromkeys(rid for step in steps for rid, _ in step))
     row = {rid: i for i, rid in enumerate(request_ids)}
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(14, 2 + 0.22 * len(steps)), 0.8 + 0.32 * len(request_ids)))
+        _, ax = plt.subplots(figsize=(min(5.4, 2 + 0.22 * len(steps)), 0.8 + 0.32 * len(request_ids)))
     for t, step in enumerate(steps):
         for rid, kind in step:
             colour, hatch, _ = TIMELINE_KINDS[kind]
@@ -398,7 +400,8 @@ def plot_chunk_tradeoff(summaries: dict, selected=None, axes=None):
     the ``selected`` label is drawn dark.
     """
     if axes is None:
-        _, axes = plt.subplots(1, 3, figsize=(11, 2.8))
+        _, axes = plt.subplots(1, 3, figsize=(PAGE_WIDTH, 2.8))
+        plt.subplots_adjust(wspace=0.6)
     labels = list(summaries)
     colours = ["#08519c" if lab == selected else "#9ecae1" for lab in labels]
     panels = [("max_gap", "longest gap of a stream (s)", "lower is better"),
@@ -439,7 +442,8 @@ def plot_preemption_comparison(rows: dict, axes=None):
     panels = [("completion_s", "completion time (s)", 1), ("mean_ttft_s", "mean TTFT (s)", 1),
               ("mean_tpot_s", "mean TPOT (ms)", 1e3), ("preemptions", "preemptions", 1)]
     if axes is None:
-        _, axes = plt.subplots(1, len(panels), figsize=(13, 2.8))
+        _, axes = plt.subplots(2, 2, figsize=(PAGE_WIDTH, 5.2))
+        axes = axes.ravel()
     colours = ["#7f7f7f", "#d62728", "#1f77b4", "#2ca02c", "#9467bd"]
     for ax, (key, label, scale) in zip(axes, panels):
         ax.bar(names, [rows[n][key] * scale for n in names], color=colours[:len(names)])
