@@ -501,26 +501,31 @@ def plot_engine_loop(ax=None):
 def plot_state_machine(ax=None):
     """A Sequence's states and the transitions between them (chapters 06, 09, 10)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3.6))
-    pos = {"WAITING": (1.2, 2.2), "PREFILLING": (4.0, 2.2), "RUNNING": (6.8, 2.2), "FINISHED_*": (9.4, 2.2),
-           "SWAPPED": (5.4, 0.5)}
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.4))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.92)
+    pos = {"WAITING": (1.0, 2.3), "PREFILLING": (3.8, 2.3), "RUNNING": (6.6, 2.3), "FINISHED_*": (9.5, 2.3),
+           "SWAPPED": (5.2, 0.3)}
     colors = {"WAITING": "#f5e6d3", "PREFILLING": "#dce9f5", "RUNNING": "#dff0d8", "FINISHED_*": "#e6e6e6",
               "SWAPPED": "#f2dede"}
     for name, xy in pos.items():
-        _box(ax, xy, name, colors[name], width=1.9, height=0.6, fontsize=8)
-    _arrow(ax, (2.15, 2.3), (3.05, 2.3), "admitted")
-    _arrow(ax, (4.95, 2.3), (5.85, 2.3), "prompt computed")
-    _arrow(ax, (7.75, 2.3), (8.45, 2.3), "stop / length")
-    _arrow(ax, (3.6, 2.55), (4.4, 2.55), "chunk after chunk (chunked prefill)", rad=-1.2, color="#555555",
-           text_dy=0.55)
-    _arrow(ax, (6.8, 1.9), (1.2, 1.9), "preempted: recompute (its KV dropped)", rad=-0.3, color="#aa3333",
-           text_dy=-1.05)
-    _arrow(ax, (6.4, 1.9), (5.8, 0.8), "preempted: swap", color="#aa3333")
-    _arrow(ax, (5.0, 0.8), (4.2, 1.9), "swapped in", color="#aa3333")
-    ax.text(9.4, 1.35, "any state -> ABORTED\n(abort_request) or ERROR\n(the request failed)", ha="center",
-            fontsize=7, color="#555555")
+        _box(ax, xy, name, colors[name], width=1.7, height=0.6, fontsize=8)
+    fs = 7.5
+    _arrow(ax, (1.85, 2.3), (2.95, 2.3), "admitted", text_dy=0.2, fontsize=fs)
+    _arrow(ax, (4.65, 2.3), (5.75, 2.3), "prompt\ncomputed", text_dy=0.3, fontsize=fs)
+    _arrow(ax, (7.45, 2.3), (8.65, 2.3), "stop /\nlength", text_dy=0.3, fontsize=fs)
+    _arrow(ax, (3.4, 2.6), (4.2, 2.6), "chunk after chunk (chunked prefill)", rad=-1.2, color="#555555",
+           text_dy=0.72, fontsize=fs)
+    _arrow(ax, (6.6, 2.0), (1.0, 2.0), rad=-0.3, color="#aa3333")
+    ax.text(2.3, 0.95, "preempted: recompute\n(its KV dropped)", ha="center", va="center", fontsize=fs,
+            color="#aa3333")
+    _arrow(ax, (6.3, 2.0), (5.6, 0.6), "preempted:\nswap", color="#aa3333", text_dy=-0.35, text_dx=0.2, ha="left",
+           fontsize=fs)
+    _arrow(ax, (4.8, 0.6), (4.1, 2.0), "swapped in", color="#aa3333", text_dy=-0.55, text_dx=-0.1, ha="right",
+           fontsize=fs)
+    ax.text(9.5, 1.4, "any state -> ABORTED\n(abort_request) or\nERROR (the request\nfailed)", ha="center",
+            va="center", fontsize=fs, color="#555555")
     ax.set_xlim(0, 10.6)
-    ax.set_ylim(-0.2, 3.4)
+    ax.set_ylim(-0.1, 3.45)
     ax.axis("off")
     ax.set_title("a Sequence's life: its status after each engine step", fontsize=9)
     return ax
@@ -789,7 +794,8 @@ def plot_offload_step(offload, restore, num_blocks: int, num_tier_blocks: int, a
     restores (2); then the forward (3) reads and writes the pool.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 3.4))
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.3))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.92)
     dev_x = {b: 0.5 + b * (10.0 / max(num_blocks, 1)) for b in range(num_blocks)}
     tier_x = {s: 0.5 + s * (10.0 / max(num_tier_blocks, 1)) for s in range(num_tier_blocks)}
     dw, tw = 9.0 / max(num_blocks, 1), 9.0 / max(num_tier_blocks, 1)
@@ -798,24 +804,24 @@ def plot_offload_step(offload, restore, num_blocks: int, num_tier_blocks: int, a
     for b, x in dev_x.items():
         face = "#f4a582" if b in out_dev else "#92c5de" if b in in_dev else "#eeeeee"
         ax.add_patch(plt.Rectangle((x, 2.4), dw, 0.6, facecolor=face, edgecolor="grey"))
-        ax.text(x + dw / 2, 2.7, str(b), ha="center", va="center", fontsize=7)
+        ax.text(x + dw / 2, 2.7, str(b), ha="center", va="center", fontsize=8 if num_blocks <= 16 else 7)
     for s, x in tier_x.items():
         face = "#f4a582" if s in out_tier else "#92c5de" if s in in_tier else "#eeeeee"
         ax.add_patch(plt.Rectangle((x, 0.4), tw, 0.6, facecolor=face, edgecolor="grey"))
-        ax.text(x + tw / 2, 0.7, str(s), ha="center", va="center", fontsize=6)
+        ax.text(x + tw / 2, 0.7, str(s), ha="center", va="center", fontsize=8 if num_tier_blocks <= 16 else 7)
     ax.text(0.4, 2.7, "device pool\n(blocks)", ha="right", va="center", fontsize=8)
     ax.text(0.4, 0.7, "host tier\n(slots)", ha="right", va="center", fontsize=8)
     for d, t in offload:
         _arrow(ax, (dev_x[d] + dw / 2, 2.4), (tier_x[t] + tw / 2, 1.0), color="#b2182b")
     for t, d in restore:
         _arrow(ax, (tier_x[t] + tw / 2, 1.0), (dev_x[d] + dw / 2, 2.4), color="#2166ac")
-    ax.text(10.7, 2.1, f"1 offloads ({len(offload)}): evicted blocks' KV\n   out, before anything writes them",
-            fontsize=7, color="#b2182b", va="center")
-    ax.text(10.7, 1.5, f"2 restores ({len(restore)}): tier hits\n   back into fresh device blocks", fontsize=7,
+    ax.text(-1.3, -0.05, f"1 offloads ({len(offload)}): evicted blocks'\nKV out, before anything writes them",
+            fontsize=7.5, color="#b2182b", va="center")
+    ax.text(3.6, -0.05, f"2 restores ({len(restore)}): tier hits\nback into fresh device blocks", fontsize=7.5,
             color="#2166ac", va="center")
-    ax.text(10.7, 0.9, "3 the forward: reads and\n   writes the pool", fontsize=7, va="center")
-    ax.set_xlim(-1.2, 13.4)
-    ax.set_ylim(0.2, 3.4)
+    ax.text(7.5, -0.05, "3 the forward: reads\nand writes the pool", fontsize=7.5, va="center")
+    ax.set_xlim(-1.4, 10.6)
+    ax.set_ylim(-0.4, 3.1)
     ax.axis("off")
     ax.set_title(title or "one step's copies between the device pool and the tier", fontsize=9)
     return ax
@@ -839,7 +845,7 @@ def _matrix(ax, x, y, w, h, parts=1, axis=None, colours=None, label=None, alpha=
         ax.add_patch(plt.Rectangle(box[:2], *box[2:], facecolor=face, edgecolor="#333333", linewidth=0.8,
                                    alpha=alpha))
     if label:
-        ax.text(x + w / 2, y - 0.25, label, ha="center", va="top", fontsize=7)
+        ax.text(x + w / 2, y - 0.15, label, ha="center", va="top", fontsize=7.5)
 
 
 def plot_tp_split(tp: int = 3, ax=None):
@@ -852,7 +858,8 @@ def plot_tp_split(tp: int = 3, ax=None):
     the ``tp`` partials.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 3.8))
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.2))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.92)
     colours = plt.get_cmap("tab10").colors[:tp]
     _matrix(ax, 0.2, 1.2, 0.8, 1.6, label="X\n[tokens, K]\nevery rank")
     ax.text(1.25, 2.0, "@", fontsize=12, ha="center", va="center")
@@ -864,11 +871,11 @@ def plot_tp_split(tp: int = 3, ax=None):
     ax.text(7.15, 2.0, "=", fontsize=12, ha="center", va="center")
     for r in range(tp):
         _matrix(ax, 7.4 + 0.18 * r, 1.5 - 0.18 * r, 0.8, 1.6, colours=[colours[r]], alpha=0.85)
-    ax.text(7.95, 0.75, f"{tp} partial Y,\none per rank,\nfull width", ha="center", va="top", fontsize=7)
-    _arrow(ax, (8.75, 2.0), (9.35, 2.0), "all-reduce\n(sum)", text_dy=0.25)
+    ax.text(7.95, 0.75, f"{tp} partial Y,\none per rank,\nfull width", ha="center", va="top", fontsize=7.5)
+    _arrow(ax, (8.75, 2.0), (9.35, 2.0), "all-reduce\n(sum)", text_dy=0.35, fontsize=7.5)
     _matrix(ax, 9.5, 1.2, 0.8, 1.6, label="Y [tokens, K]\non every rank")
-    ax.set_xlim(0, 10.6)
-    ax.set_ylim(0, 3.4)
+    ax.set_xlim(-0.2, 10.6)
+    ax.set_ylim(-0.1, 3.3)
     ax.axis("off")
     ax.set_title(f"column then row over {tp} ranks (colour = rank): one all-reduce for the pair", fontsize=9)
     return ax
