@@ -1029,10 +1029,11 @@ def plot_q4_1_block(block: bytes, ax=None, title=None):
     """One GGUF Q4_1 block, byte by byte, and the 32 weights it holds (chapter 18).
 
     Top: its 20 bytes, the fp16 scale ``d`` (bytes 0-1), the fp16 minimum
-    ``m`` (2-3) and 16 bytes of quants, each in hex. Below: weights 0 to 15
-    (the low nibbles) and 16 to 31 (the high nibbles), each with its quant and
-    its value ``d * q + m``; a line joins byte ``j`` to weights ``j`` and
-    ``j + 16``.
+    ``m`` (2-3), then 16 bytes of quants, each in hex, eight to a row. Under
+    each row of quants: the weights of their low nibbles (weight ``j`` for
+    quant byte ``j``) and of their high nibbles (weight ``j + 16``), each
+    with its quant and its value ``d * q + m``; a line joins byte ``j`` to
+    weights ``j`` and ``j + 16``.
     """
     import struct
 
@@ -1041,30 +1042,35 @@ def plot_q4_1_block(block: bytes, ax=None, title=None):
         raise ValueError(f"a Q4_1 block is 20 bytes, got {len(block)}")
     d, m = struct.unpack("<ee", block[:4])
     if ax is None:
-        _, ax = plt.subplots(figsize=(13, 3.4))
-    header = ["#fdb863"] * 2 + ["#b2abd2"] * 2 + ["#92c5de"] * 16
-    for i, byte in enumerate(block):
-        ax.add_patch(plt.Rectangle((i * 1.6, 3.0), 1.5, 0.8, facecolor=header[i], edgecolor="grey"))
-        ax.text(i * 1.6 + 0.75, 3.4, f"{byte:02x}", ha="center", va="center", fontsize=7, family="monospace")
-    ax.text(1.55, 4.0, f"d (fp16)\n{d:.6g}", ha="center", fontsize=7)
-    ax.text(4.75, 4.0, f"m (fp16)\n{m:.6g}", ha="center", fontsize=7)
-    ax.text(6.4 + 12.75, 4.05, "16 bytes: weight j in the low nibble, j + 16 in the high one", ha="center",
-            fontsize=8)
-    for half, y in ((0, 1.4), (1, 0.0)):
-        for j in range(16):
-            byte = block[4 + j]
-            q = byte & 0x0F if half == 0 else byte >> 4
-            x = 6.4 + j * 1.6
-            ax.add_patch(plt.Rectangle((x, y), 1.5, 1.0, facecolor="#e7f0e7" if half == 0 else "#f4e3e3",
-                                       edgecolor="grey"))
-            ax.text(x + 0.75, y + 0.68, f"w{j + 16 * half}: q={q}", ha="center", va="center", fontsize=5.5)
-            ax.text(x + 0.75, y + 0.3, f"{d * q + m:.4g}", ha="center", va="center", fontsize=5.5)
-            if half == 0:
-                ax.plot([x + 0.75, x + 0.75], [3.0, y + 1.0], color="grey", lw=0.4)
-    ax.text(6.2, 1.9, "low nibbles:\nweights 0-15", ha="right", va="center", fontsize=7)
-    ax.text(6.2, 0.5, "high nibbles:\nweights 16-31", ha="right", va="center", fontsize=7)
-    ax.set_xlim(-0.3, 32.5)
-    ax.set_ylim(-0.3, 4.7)
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 5.4))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.94)
+    header = ["#fdb863"] * 2 + ["#b2abd2"] * 2
+    for i, byte in enumerate(block[:4]):  # d and m
+        x = 2.0 + i * 1.1 + (0.4 if i >= 2 else 0.0)
+        ax.add_patch(plt.Rectangle((x, 8.6), 1.0, 0.7, facecolor=header[i], edgecolor="grey"))
+        ax.text(x + 0.5, 8.95, f"{byte:02x}", ha="center", va="center", fontsize=8, family="monospace")
+    ax.text(3.05, 9.4, f"d (fp16)\n{d:.6g}", ha="center", fontsize=8)
+    ax.text(5.65, 9.4, f"m (fp16)\n{m:.6g}", ha="center", fontsize=8)
+    ax.text(8.0, 9.2, "bytes 0-3, then 16 bytes of quants:\nweight j in the low nibble of quant j,\n"
+            "weight j + 16 in its high nibble", ha="left", va="center", fontsize=8)
+    for half_row, top in ((0, 7.5), (1, 3.7)):  # quants 0-7, then 8-15
+        ax.text(1.9, top + 0.35, "quant bytes", ha="right", va="center", fontsize=8)
+        ax.text(1.9, top - 1.05, "low nibbles", ha="right", va="center", fontsize=8)
+        ax.text(1.9, top - 2.35, "high nibbles", ha="right", va="center", fontsize=8)
+        for c in range(8):
+            j = 8 * half_row + c
+            byte, x = block[4 + j], 2.0 + c * 1.55
+            ax.add_patch(plt.Rectangle((x, top), 1.45, 0.7, facecolor="#92c5de", edgecolor="grey"))
+            ax.text(x + 0.72, top + 0.35, f"{byte:02x}", ha="center", va="center", fontsize=8, family="monospace")
+            for half, y in ((0, top - 1.55), (1, top - 2.85)):
+                q = byte & 0x0F if half == 0 else byte >> 4
+                ax.add_patch(plt.Rectangle((x, y), 1.45, 1.0, facecolor="#e7f0e7" if half == 0 else "#f4e3e3",
+                                           edgecolor="grey"))
+                ax.text(x + 0.72, y + 0.7, f"w{j + 16 * half}: q={q}", ha="center", va="center", fontsize=7.5)
+                ax.text(x + 0.72, y + 0.3, f"{d * q + m:.4g}", ha="center", va="center", fontsize=7.5)
+            ax.plot([x + 0.72, x + 0.72], [top, top - 0.55], color="grey", lw=0.6)
+    ax.set_xlim(-0.2, 14.5)
+    ax.set_ylim(0.6, 10.2)
     ax.axis("off")
     ax.set_title(title or "one Q4_1 block: 20 bytes for 32 weights, weight = d * q + m", fontsize=9)
     return ax
