@@ -958,13 +958,14 @@ def plot_paged_row(block_table, length: int, block_size: int, num_blocks: int, p
     in logical order, block by block, coloured where the row reads them
     (keys ``0 .. position``), hatched where it must not (after its position,
     and the slots past ``length``), with an arrow from each logical block to
-    the pool's block that holds it (``labels`` name the rows). Right: the
+    the pool's block that holds it (``labels`` name the rows). Under the pool: the
     grouped-query heads, ``heads = (query heads, KV heads)``, query head ``h``
     reading KV head ``h // group``.
     """
     colours = plt.get_cmap("tab10").colors
     if ax is None:
-        _, ax = plt.subplots(figsize=(12, 1.8 + 0.55 * len(positions)))
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.0 + 0.3 * len(positions)))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.94)
     slot_w = 1.0
     gap = 0.6
     pool_y = 0.0
@@ -976,13 +977,13 @@ def plot_paged_row(block_table, length: int, block_size: int, num_blocks: int, p
             face = colours[0] if mine else ("#d0d0d0" if b not in owner else "white")
             ax.add_patch(plt.Rectangle((x0 + s * slot_w, pool_y), slot_w * 0.95, 0.8, facecolor=face,
                                        edgecolor="grey", linewidth=0.5, alpha=0.85 if mine else 1.0))
-        ax.text(x0 + block_size * slot_w / 2, pool_y - 0.35, f"block {b}" + (f"\n(table[{owner[b]}])"
-                if b in owner else ""), ha="center", va="top", fontsize=6)
+        ax.text(x0 + block_size * slot_w / 2, pool_y - 0.25, f"block {b}" + (f"\n(table[{owner[b]}])"
+                if b in owner else ""), ha="center", va="top", fontsize=7.5)
     ax.text(-0.5, pool_y + 0.4, "the pool", ha="right", va="center", fontsize=8)
     row_w = len(block_table) * (block_size * slot_w + gap)
     x_rows = max(0.0, (num_blocks * (block_size * slot_w + gap) - row_w) / 2)
     for r, pos in enumerate(positions):  # the rows, logical keys
-        y = 2.2 + 1.0 * (len(positions) - 1 - r)
+        y = 2.6 + 1.0 * (len(positions) - 1 - r)
         for i in range(len(block_table)):
             x0 = x_rows + i * (block_size * slot_w + gap)
             for s in range(block_size):
@@ -993,32 +994,33 @@ def plot_paged_row(block_table, length: int, block_size: int, num_blocks: int, p
                                            linewidth=0.5, hatch=None if seen else "///"))
         label = labels[r] if labels else f"row at position {pos}"
         ax.text(x_rows - 0.5, y + 0.35, label, ha="right", va="center", fontsize=8)
-    top = 2.2 + 1.0 * (len(positions) - 1) + 0.85
+    top = 2.6 + 1.0 * (len(positions) - 1) + 0.85
     for i, b in enumerate(block_table):  # logical block i -> the pool's block table[i]
-        start = (x_rows + i * (block_size * slot_w + gap) + block_size * slot_w / 2, 2.15)
+        start = (x_rows + i * (block_size * slot_w + gap) + block_size * slot_w / 2, 2.55)
         end = (b * (block_size * slot_w + gap) + block_size * slot_w / 2, pool_y + 0.85)
         ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="->", color=colours[0], lw=1.0))
         ax.text(start[0], top, f"keys {i * block_size}..{i * block_size + block_size - 1}", ha="center",
-                fontsize=6)
+                fontsize=7.5)
     width = max(num_blocks * (block_size * slot_w + gap), x_rows + row_w)
-    h, kvh = heads
+    h, kvh = heads  # grouped-query heads, under the pool: query head q reads KV head q // group
     group = h // kvh
-    hx = width + 2.0
-    for q in range(h):  # grouped-query heads
-        ax.add_patch(plt.Rectangle((hx, top - 0.5 - q * 0.42), 1.4, 0.34, facecolor=colours[2 + q // group],
+    hw = min(3.0, (width - 1.0) / h)
+    qy, ky = -2.9, -4.5
+    for q in range(h):
+        ax.add_patch(plt.Rectangle((q * hw, qy), hw * 0.85, 0.6, facecolor=colours[2 + q // group],
                                    edgecolor="grey", linewidth=0.5))
-        ax.text(hx + 0.7, top - 0.33 - q * 0.42, f"q{q}", ha="center", va="center", fontsize=6)
+        ax.text(q * hw + hw * 0.425, qy + 0.3, f"q{q}", ha="center", va="center", fontsize=7.5)
     for g in range(kvh):
-        yk = top - 0.5 - (g * group + (group - 1) / 2) * 0.42
-        ax.add_patch(plt.Rectangle((hx + 3.0, yk), 1.6, 0.34, facecolor=colours[2 + g], edgecolor="black",
+        xk = (g * group + (group - 1) / 2) * hw
+        ax.add_patch(plt.Rectangle((xk, ky), hw * 0.85, 0.6, facecolor=colours[2 + g], edgecolor="black",
                                    linewidth=0.8))
-        ax.text(hx + 3.8, yk + 0.17, f"kv{g}", ha="center", va="center", fontsize=6)
+        ax.text(xk + hw * 0.425, ky + 0.3, f"kv{g}", ha="center", va="center", fontsize=7.5)
         for q in range(g * group, (g + 1) * group):
-            ax.annotate("", xy=(hx + 3.0, yk + 0.17), xytext=(hx + 1.4, top - 0.33 - q * 0.42),
+            ax.annotate("", xy=(xk + hw * 0.425, ky + 0.6), xytext=(q * hw + hw * 0.425, qy),
                         arrowprops=dict(arrowstyle="-", color="grey", lw=0.6))
-    ax.text(hx + 2.2, top + 0.1, f"{h} query heads, {kvh} KV heads", ha="center", fontsize=7)
-    ax.set_xlim(-7, hx + 5.2)
-    ax.set_ylim(-1.3, top + 0.5)
+    ax.text(h * hw + 0.5, (qy + ky + 0.6) / 2, f"{h} query heads, {kvh} KV heads", va="center", fontsize=8)
+    ax.set_xlim(-9.0, width + 0.2)
+    ax.set_ylim(ky - 0.2, top + 0.6)
     ax.axis("off")
     ax.set_title(title or f"one sequence of {length} tokens in blocks of {block_size}: what each row reads",
                  fontsize=9)
