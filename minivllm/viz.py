@@ -320,17 +320,17 @@ __all__ += ["plot_prompt_chunks", "plot_step_timeline", "plot_stream_gaps", "plo
 def plot_prompt_chunks(prompt_len: int, cached: int, chunks, ax=None, title=None):
     """One prompt as a bar: the prefix served from the cache, then each prefill chunk ``(start, end)`` (chapter 09)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 1.3))
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 1.3))
     if cached:
         ax.barh(0, cached, left=0, color="#bbbbbb", edgecolor="white")
-        ax.text(cached / 2, 0, "from the prefix cache", ha="center", va="center", fontsize=8)
+        ax.text(cached / 2, 0, "from the\nprefix cache", ha="center", va="center", fontsize=8)
     colours = plt.get_cmap("tab10").colors
     for i, (a, b) in enumerate(chunks):
         ax.barh(0, b - a, left=a, color=colours[i % len(colours)], edgecolor="white", alpha=0.85)
         if (b - a) / prompt_len > 0.04:
-            ax.text((a + b) / 2, 0, f"chunk\n{i}", ha="center", va="center", fontsize=7)
+            ax.text((a + b) / 2, 0, f"chunk\n{i}", ha="center", va="center", fontsize=8)
     edges = sorted({0, cached, prompt_len} | {x for c in chunks for x in c})
-    ax.set_xticks(edges, [str(x) for x in edges], fontsize=7)
+    ax.set_xticks(edges, [str(x) for x in edges], fontsize=8)
     ax.set_xlim(0, prompt_len)
     ax.set_yticks([])
     ax.set_xlabel("prompt position (chunk boundaries marked)")
@@ -347,7 +347,7 @@ def plot_step_timeline(trace, ax=None, title=None, max_tokens=None):
     A wide dark bar is a long prefill: every stream waits for it to end.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 2.6))
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 2.6))
     t0 = trace.start
     for st in trace.steps:
         x, w = st.start - t0, st.seconds
@@ -372,7 +372,7 @@ def plot_stream_gaps(trace, request_ids, ax=None, title=None, max_gap=None, labe
     waited for it since the previous token of the same request.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 2.6))
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 2.6))
     t0 = trace.start
     xs, ys = [], []
     for rid in request_ids:
@@ -534,7 +534,7 @@ def plot_state_machine(ax=None):
 def plot_request_life(outputs, ax=None, title=None):
     """Each request's life from its own timestamps: waiting, prefill, each token, finish (chapter 00)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.6 + 0.45 * len(outputs)))
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 0.9 + 0.45 * len(outputs)))
     t0 = min(o.metrics.arrival_time for o in outputs)
     for row, out in enumerate(outputs):
         m = out.metrics
@@ -548,7 +548,7 @@ def plot_request_life(outputs, ax=None, title=None):
     ax.set_xlabel("seconds since the first request arrived")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#f5e6d3", "#1f77b4", "#2ca02c")]
     ax.legend(handles, ["waiting", "prefill (until the first token: TTFT)", "decode, one tick per token"],
-              fontsize=7, loc="lower right")
+              fontsize=8, loc="lower right")
     ax.set_title(title or "each request's life, from its own timestamps", fontsize=9)
     return ax
 
@@ -914,10 +914,10 @@ def plot_spec_rollback(frames, block_size: int, ax=None, title=None):
     and the released blocks, hatched, on the right."""
     width = max(len(f["blocks"]) + len(f["released"]) for f in frames) * (block_size + 1) + 1
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(13, 1.2 + 0.32 * width), 0.9 + 1.1 * len(frames)))
+        _, ax = plt.subplots(figsize=(min(PAGE_WIDTH, 1.2 + 0.32 * width), 1.6 + 1.1 * len(frames)))
     for r, frame in enumerate(frames):
         y = 1.25 * (len(frames) - 1 - r)
-        ax.text(-0.4, y + 0.35, frame["label"], ha="right", va="center", fontsize=8)
+        ax.text(-0.4, y + 0.35, frame["label"], ha="right", va="center", fontsize=8.5)
         for i, block in enumerate(frame["blocks"]):
             x0 = i * (block_size + 1)
             for s in range(block_size):
@@ -927,14 +927,15 @@ def plot_spec_rollback(frames, block_size: int, ax=None, title=None):
             ax.add_patch(plt.Rectangle((x0, y), block_size, 0.7, fill=False, edgecolor="black",
                                        linewidth=2.2 if cached else 0.8))
             ax.text(x0 + block_size / 2, y + 0.82, f"block {block}" + (" (cached)" if cached else ""),
-                    ha="center", fontsize=7)
+                    ha="center", fontsize=8)
         for j, block in enumerate(frame["released"]):
             x0 = (len(frame["blocks"]) + j) * (block_size + 1)
             ax.add_patch(plt.Rectangle((x0, y), block_size, 0.7, facecolor="#eeeeee", edgecolor="grey",
                                        hatch="//"))
-            ax.text(x0 + block_size / 2, y + 0.82, f"block {block}: back to the pool", ha="center", fontsize=7)
+            ax.text(x0 + block_size / 2, y + 0.82, f"block {block}: back to the pool", ha="center", fontsize=7.5)
     handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="grey") for c, _ in SPEC_KINDS.values()]
-    ax.legend(handles, [t for _, t in SPEC_KINDS.values()], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    ax.legend(handles, [t for _, t in SPEC_KINDS.values()], loc="upper left", bbox_to_anchor=(0.0, 0.0), fontsize=8,
+              ncol=2, frameon=False)
     ax.set_xlim(-0.2, width)
     ax.set_ylim(-0.2, 1.25 * len(frames))
     ax.axis("off")
