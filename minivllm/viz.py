@@ -62,9 +62,10 @@ def plot_chunk_mask(n: int, chunk_size: int, ax=None):
             ax.axhline(a - 0.5, color="black", linewidth=0.8)
     ax.imshow(image, interpolation="nearest")
     chunks = cdiv(n, chunk_size)
-    ax.set_title(f"{n} tokens, chunk size {chunk_size}: {chunks} chunk{'s' * (chunks > 1)}")
-    ax.set_xlabel("key position j (pale: read from the cache)")
-    ax.set_ylabel("query position i")
+    ax.set_title(f"{n} tokens, chunk size {chunk_size}:\n{chunks} chunk{'s' * (chunks > 1)}", fontsize=9)
+    ax.set_xlabel("key position j\n(pale: read from the cache)", fontsize=8)
+    ax.set_ylabel("query position i", fontsize=8)
+    ax.tick_params(labelsize=8)
     return ax
 
 
