@@ -592,7 +592,7 @@ def plot_paged_batch(batch, query_lens, names, axes=None):
         for group in groups:
             rows, queries = group.block_tables.shape[0], group.mask.shape[0] * group.mask.shape[1]
             heights += [0.45 + 0.42 * rows, 0.9 + min(0.12 * queries, 1.2)]
-        fig = plt.figure(figsize=(PAGE_WIDTH, sum(heights) + 0.25 * len(heights)))
+        fig = plt.figure(figsize=(PAGE_WIDTH, sum(heights) + 0.25 * len(heights)), layout="constrained")
         grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
         axes = [fig.add_subplot(grid[k, 0]) for k in range(len(heights))]
     top = axes[0]
@@ -630,7 +630,8 @@ def plot_paged_batch(batch, query_lens, names, axes=None):
         right.set_ylabel("query rows", fontsize=8)
         right.set_title(f"group {g} mask {tuple(mask.shape)}: dark = may attend", fontsize=9)
         right.tick_params(labelsize=8)
-    plt.tight_layout()
+    if axes[0].figure.get_layout_engine() is None:
+        plt.tight_layout()
     return axes
 
 
