@@ -275,16 +275,19 @@ def plot_hash_chain(prompts, block_size: int, hash_fn, names=None, ax=None, titl
         rows.append((path, tuple(tokens[len(tokens) // block_size * block_size:])))
     width = max(len(p) + (1 if tail else 0) for p, tail in rows)
     if ax is None:
-        _, ax = plt.subplots(figsize=(2.3 * width + 1.5, 1.1 * len(prompts) + 0.6))
-    bw, bh = 1.7, 0.62
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 1.1 * len(prompts) + 0.6))
+    per_line = 4 if max((len(str(t)) for p in prompts for t in p), default=1) <= 2 else 2  # long ids: two a line
+    tall = block_size > 2 * per_line
+    bw, bh = 1.7, 0.9 if tall else 0.62
 
     def box(x, y, tokens, label, shared, dashed=False):
         ax.add_patch(plt.Rectangle((2.3 * x, -y - bh / 2), bw, bh, facecolor="#c6dbef" if shared else "white",
                                    edgecolor="grey" if dashed else "#08519c", linestyle="--" if dashed else "-",
                                    linewidth=1.2))
-        text = " ".join(map(str, tokens))
-        ax.text(2.3 * x + bw / 2, -y + 0.1, text, ha="center", va="center", fontsize=8 if len(text) <= 18 else 6)
-        ax.text(2.3 * x + bw / 2, -y - 0.16, label, ha="center", va="center", fontsize=7,
+        lines = [" ".join(map(str, tokens[i:i + per_line])) for i in range(0, len(tokens), per_line)]
+        ax.text(2.3 * x + bw / 2, -y + (0.13 if tall else 0.1), "\n".join(lines), ha="center", va="center",
+                fontsize=7 if tall else 8)
+        ax.text(2.3 * x + bw / 2, -y - (0.33 if tall else 0.18), label, ha="center", va="center", fontsize=7.5,
                 color="dimgrey" if dashed else "#08519c", family="monospace")
 
     for h, (x, y, tokens, n) in nodes.items():
@@ -296,7 +299,7 @@ def plot_hash_chain(prompts, block_size: int, hash_fn, names=None, ax=None, titl
                         arrowprops=dict(arrowstyle="->", color="#08519c", lw=1))
         if tail:
             x = len(path)
-            box(x, row, tail, "partial: no hash", False, dashed=True)
+            box(x, row, tail, "no hash", False, dashed=True)
             if path:
                 xa, ya, *_ = nodes[path[-1]]
                 ax.annotate("", xy=(2.3 * x, -row), xytext=(2.3 * xa + bw, -ya),
@@ -308,8 +311,8 @@ def plot_hash_chain(prompts, block_size: int, hash_fn, names=None, ax=None, titl
     ax.set_xlim(-2.2, 2.3 * width)
     ax.set_ylim(-len(prompts) + 0.4, 0.6)
     ax.axis("off")
-    ax.set_title(title or f"hash chain, block_size={block_size}: box = full block (tokens, #hash); "
-                          "shaded = shared by several prompts", fontsize=9)
+    ax.set_title(title or f"hash chain, block_size={block_size}: box = full block (tokens, #hash);\n"
+                          "shaded = shared by several prompts, dashed = a partial block (no hash)", fontsize=9)
     return ax
 
 
