@@ -13,15 +13,16 @@ from minivllm.config import cdiv
 
 __all__ = ["plot_chunk_mask", "chunk_mask_widget", "PAGE_WIDTH"]
 
-PAGE_WIDTH = 7.5  # inches: the book's column is ~750 px, so a figure this wide shows at full size and 8 pt is ~11 px
+PAGE_WIDTH = 7.5  # inches: 720 px as SVG, in a column of ~700 px at a 1280 px window; 8 pt shows as ~10 px
 
 
 def _for_the_page():
-    """In a notebook, draw PNGs at twice their resolution (sharp on every screen), shown at their size.
+    """In a notebook, draw figures as SVG: sharp at any size, and scaled to the page's column as a whole.
 
-    A figure is shown at 100 px per inch and scaled down to the column when it is wider: the figures here are
-    at most about :data:`PAGE_WIDTH` wide, with several panels stacked rather than side by side, so that their
-    labels stay readable on the page.
+    (Retina PNGs come with a fixed height that the page keeps when it narrows the image: they would be squashed.)
+    A figure shows at its size, about 96 px per inch, scaled down to the column when wider: the figures here
+    are at most about :data:`PAGE_WIDTH` wide, with several panels stacked rather than side by side, so that
+    their labels stay readable on the page.
     """
     try:
         from IPython import get_ipython
@@ -32,8 +33,8 @@ def _for_the_page():
     shell = get_ipython()
     if shell is not None:
         backend = InlineBackend.instance(parent=shell)  # read again whenever the inline backend is set up
-        backend.figure_formats = {"retina"}
-        select_figure_formats(shell, {"retina"}, **backend.print_figure_kwargs)
+        backend.figure_formats = {"svg"}
+        select_figure_formats(shell, {"svg"}, **backend.print_figure_kwargs)
 
 
 _for_the_page()
