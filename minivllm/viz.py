@@ -553,8 +553,8 @@ def plot_request_life(outputs, ax=None, title=None):
     ax.set_xlabel("seconds since the first request arrived")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#f5e6d3", "#1f77b4", "#2ca02c")]
     ax.legend(handles, ["waiting", "prefill (until the first token: TTFT)", "decode, one tick per token"],
-              fontsize=8, loc="lower right")
-    ax.set_title(title or "each request's life, from its own timestamps", fontsize=9)
+              fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
+    ax.set_title(title or "each request's life, from its own timestamps", fontsize=9, pad=20)
     return ax
 
 
