@@ -13,7 +13,7 @@ from minivllm.config import cdiv
 
 __all__ = ["plot_chunk_mask", "chunk_mask_widget", "PAGE_WIDTH"]
 
-PAGE_WIDTH = 7.5  # inches: 720 px as SVG, in a column of ~700 px at a 1280 px window; 8 pt shows as ~10 px
+PAGE_WIDTH = 7.0  # inches: 672 px as SVG, the column's width at a 1280 px window (675 px); 7.5 pt shows as 10 px
 
 
 def _for_the_page():
