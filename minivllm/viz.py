@@ -118,7 +118,7 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
     if axes is None:
         width = max(len(s.block_table) for s in seqs) if seqs else 1
         nrows = cdiv(bm.num_blocks, ncols)  # the pool above the tables, at the page's width
-        _, axes = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 1.0 + 0.75 * nrows + 0.35 * max(len(seqs), 1)),
+        _, axes = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 1.0 + 0.55 * nrows + 0.38 * max(len(seqs), 1)),
                                gridspec_kw={"height_ratios": [nrows + 0.6, 0.5 * max(len(seqs), 1) + 0.6]})
     ax_pool, ax_tables = axes
     nrows = cdiv(bm.num_blocks, ncols)
@@ -133,7 +133,7 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
                                             hatch="//" if len(who) > 1 else None, edgecolor="grey"))
             label = f"{rid}:{j}" + (f" (x{len(who)})" if len(who) > 1 else "")
             ax_pool.text(c + 0.5, y + 0.62, label, ha="center", va="center", fontsize=8)
-        ax_pool.text(c + 0.5, y + 0.2, str(block), ha="center", va="center", fontsize=7.5, color="dimgrey")
+        ax_pool.text(c + 0.5, y + 0.2, str(block), ha="center", va="center", fontsize=7.5, color="#444444")
     ax_pool.set_xlim(0, ncols)
     ax_pool.set_ylim(0, nrows)
     ax_pool.axis("off")
