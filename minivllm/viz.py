@@ -176,7 +176,8 @@ def plot_paged_step(block_tables, context_lens, slot_mapping, block_size: int, n
              for b, (table, ctx) in enumerate(zip(block_tables, context_lens)) for pos in range(ctx)}
     nrows = cdiv(num_blocks, ncols)
     if ax is None:
-        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 0.9 * nrows * bs / 2 + 1.2))
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 0.9 * nrows * bs / 2 + 1.2))
+        fig.subplots_adjust(left=0.01, right=0.99)
     for block in range(num_blocks):
         r, c = divmod(block, ncols)
         top = (nrows - r) * (bs + 1.5)
@@ -276,7 +277,8 @@ def plot_hash_chain(prompts, block_size: int, hash_fn, names=None, ax=None, titl
         rows.append((path, tuple(tokens[len(tokens) // block_size * block_size:])))
     width = max(len(p) + (1 if tail else 0) for p, tail in rows)
     if ax is None:
-        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 1.1 * len(prompts) + 0.6))
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 1.1 * len(prompts) + 0.6))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.86)
     per_line = 4 if max((len(str(t)) for p in prompts for t in p), default=1) <= 2 else 2  # long ids: two a line
     tall = block_size > 2 * per_line
     bw, bh = 1.7, 0.9 if tall else 0.62
@@ -920,7 +922,8 @@ def plot_spec_rollback(frames, block_size: int, ax=None, title=None):
     and the released blocks, hatched, on the right."""
     width = max(len(f["blocks"]) + len(f["released"]) for f in frames) * (block_size + 1) + 1
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(PAGE_WIDTH, 1.2 + 0.32 * width), 1.6 + 1.1 * len(frames)))
+        fig, ax = plt.subplots(figsize=(min(PAGE_WIDTH, 1.2 + 0.32 * width), 1.6 + 1.1 * len(frames)))
+        fig.subplots_adjust(left=0.2, right=0.99)
     for r, frame in enumerate(frames):
         y = 1.25 * (len(frames) - 1 - r)
         ax.text(-0.4, y + 0.35, frame["label"], ha="right", va="center", fontsize=8.5)
