@@ -418,7 +418,7 @@ def plot_chunk_tradeoff(summaries: dict, selected=None, axes=None):
         ax.bar(range(len(labels)), [summaries[lab][key] for lab in labels], color=colours)
         ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
         ax.set_ylabel(ylabel, fontsize=9)
-        ax.set_title(better, fontsize=8)
+        ax.set_title(better, fontsize=9)
     return axes
 
 
