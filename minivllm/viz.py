@@ -1009,8 +1009,8 @@ def plot_paged_row(block_table, length: int, block_size: int, num_blocks: int, p
         start = (x_rows + i * (block_size * slot_w + gap) + block_size * slot_w / 2, 2.55)
         end = (b * (block_size * slot_w + gap) + block_size * slot_w / 2, pool_y + 0.85)
         ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="->", color=colours[0], lw=1.0))
-        ax.text(start[0], top, f"keys {i * block_size}..{i * block_size + block_size - 1}", ha="center",
-                fontsize=7.5)
+        ax.text(start[0], top, f"{i * block_size}..{i * block_size + block_size - 1}", ha="center", fontsize=7.5)
+    ax.text(x_rows - 0.5, top, "keys", ha="right", fontsize=8)
     width = max(num_blocks * (block_size * slot_w + gap), x_rows + row_w)
     h, kvh = heads  # grouped-query heads, under the pool: query head q reads KV head q // group
     group = h // kvh
