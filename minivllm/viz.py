@@ -816,18 +816,18 @@ def plot_offload_step(offload, restore, num_blocks: int, num_tier_blocks: int, a
     for s, x in tier_x.items():
         face = "#f4a582" if s in out_tier else "#92c5de" if s in in_tier else "#eeeeee"
         ax.add_patch(plt.Rectangle((x, 0.4), tw, 0.6, facecolor=face, edgecolor="grey"))
-        ax.text(x + tw / 2, 0.7, str(s), ha="center", va="center", fontsize=8 if num_tier_blocks <= 16 else 7)
-    ax.text(0.4, 2.7, "device pool\n(blocks)", ha="right", va="center", fontsize=8)
-    ax.text(0.4, 0.7, "host tier\n(slots)", ha="right", va="center", fontsize=8)
+        ax.text(x + tw / 2, 0.7, str(s), ha="center", va="center", fontsize=8 if num_tier_blocks <= 16 else 7.5)
+    ax.text(0.4, 2.7, "device pool\n(blocks)", ha="right", va="center", fontsize=8.5)
+    ax.text(0.4, 0.7, "host tier\n(slots)", ha="right", va="center", fontsize=8.5)
     for d, t in offload:
         _arrow(ax, (dev_x[d] + dw / 2, 2.4), (tier_x[t] + tw / 2, 1.0), color="#b2182b")
     for t, d in restore:
         _arrow(ax, (tier_x[t] + tw / 2, 1.0), (dev_x[d] + dw / 2, 2.4), color="#2166ac")
     ax.text(-1.3, -0.05, f"1 offloads ({len(offload)}): evicted blocks'\nKV out, before anything writes them",
-            fontsize=7.5, color="#b2182b", va="center")
-    ax.text(3.6, -0.05, f"2 restores ({len(restore)}): tier hits\nback into fresh device blocks", fontsize=7.5,
+            fontsize=8, color="#b2182b", va="center")
+    ax.text(3.6, -0.05, f"2 restores ({len(restore)}): tier hits\nback into fresh device blocks", fontsize=8,
             color="#2166ac", va="center")
-    ax.text(7.5, -0.05, "3 the forward: reads\nand writes the pool", fontsize=7.5, va="center")
+    ax.text(7.6, -0.05, "3 the forward: reads\nand writes the pool", fontsize=8, va="center")
     ax.set_xlim(-1.4, 10.6)
     ax.set_ylim(-0.4, 3.1)
     ax.axis("off")
