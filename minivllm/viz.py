@@ -67,6 +67,10 @@ def plot_chunk_mask(n: int, chunk_size: int, ax=None):
     ax.set_xlabel("key position j\n(pale: read from the cache)", fontsize=8)
     ax.set_ylabel("query position i", fontsize=8)
     ax.tick_params(labelsize=8)
+    from matplotlib.ticker import MaxNLocator
+
+    for axis in (ax.xaxis, ax.yaxis):  # token positions: whole numbers
+        axis.set_major_locator(MaxNLocator(integer=True))
     return ax
 
 
