@@ -783,11 +783,11 @@ def plot_engine_processes(before: float, device: float, after: float, axes=None)
         ax.text(0, row + 0.48, ("asynchronous scheduling" if overlap else "synchronous") +
                 f": a step every {1e3 * lanes['period']:.1f} ms once running", fontsize=8)
     ax.set_yticks([0.2, -0.2, 1.7, 1.3], ["host", "device", "host", "device"], fontsize=8)
-    ax.set_ylim(-0.9, 2.2)
+    ax.set_ylim(-1.0, 2.2)
     ax.set_xlabel("ms (measured phases, three steps)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
     ax.legend(handles, ["schedule, prepare", "update, detokenize", "forward, logits"], fontsize=8,
-              loc="lower right")
+              loc="lower center", ncol=3)  # one row, under the bars
     ax.set_title("what asynchronous scheduling overlaps (on a GPU)", fontsize=9)
     return axes
 
