@@ -11,7 +11,33 @@ import numpy as np
 from minivllm.attention import causal_chunk_mask
 from minivllm.config import cdiv
 
-__all__ = ["plot_chunk_mask", "chunk_mask_widget"]
+__all__ = ["plot_chunk_mask", "chunk_mask_widget", "PAGE_WIDTH"]
+
+PAGE_WIDTH = 7.0  # inches: 672 px as SVG, the column's width at a 1280 px window (675 px); 7.5 pt shows as 10 px
+
+
+def _for_the_page():
+    """In a notebook, draw figures as SVG: sharp at any size, and scaled to the page's column as a whole.
+
+    (Retina PNGs come with a fixed height that the page keeps when it narrows the image: they would be squashed.)
+    A figure shows at its size, about 96 px per inch, scaled down to the column when wider: the figures here
+    are at most about :data:`PAGE_WIDTH` wide, with several panels stacked rather than side by side, so that
+    their labels stay readable on the page.
+    """
+    try:
+        from IPython import get_ipython
+        from IPython.core.pylabtools import select_figure_formats
+        from matplotlib_inline.backend_inline import InlineBackend
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None:
+        backend = InlineBackend.instance(parent=shell)  # read again whenever the inline backend is set up
+        backend.figure_formats = {"svg"}
+        select_figure_formats(shell, {"svg"}, **backend.print_figure_kwargs)
+
+
+_for_the_page()
 
 
 def plot_chunk_mask(n: int, chunk_size: int, ax=None):
@@ -37,9 +63,14 @@ def plot_chunk_mask(n: int, chunk_size: int, ax=None):
             ax.axhline(a - 0.5, color="black", linewidth=0.8)
     ax.imshow(image, interpolation="nearest")
     chunks = cdiv(n, chunk_size)
-    ax.set_title(f"{n} tokens, chunk size {chunk_size}: {chunks} chunk{'s' * (chunks > 1)}")
-    ax.set_xlabel("key position j (pale: read from the cache)")
-    ax.set_ylabel("query position i")
+    ax.set_title(f"{n} tokens, chunk size {chunk_size}:\n{chunks} chunk{'s' * (chunks > 1)}", fontsize=9)
+    ax.set_xlabel("key position j\n(pale: read from the cache)", fontsize=8)
+    ax.set_ylabel("query position i", fontsize=8)
+    ax.tick_params(labelsize=8)
+    from matplotlib.ticker import MaxNLocator
+
+    for axis in (ax.xaxis, ax.yaxis):  # token positions: whole numbers
+        axis.set_major_locator(MaxNLocator(integer=True))
     return ax
 
 
@@ -90,7 +121,9 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
             owners.setdefault(block, []).append((s.request_id, j, min(bs, s.num_tokens - j * bs)))
     if axes is None:
         width = max(len(s.block_table) for s in seqs) if seqs else 1
-        _, axes = plt.subplots(1, 2, figsize=(11, 3.6), gridspec_kw={"width_ratios": [ncols, max(width, 3)]})
+        nrows = cdiv(bm.num_blocks, ncols)  # the pool above the tables, at the page's width
+        _, axes = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 1.0 + 0.55 * nrows + 0.38 * max(len(seqs), 1)),
+                               gridspec_kw={"height_ratios": [nrows + 0.6, 0.5 * max(len(seqs), 1) + 0.6]})
     ax_pool, ax_tables = axes
     nrows = cdiv(bm.num_blocks, ncols)
     for block in range(bm.num_blocks):
@@ -103,13 +136,12 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
             ax_pool.add_patch(plt.Rectangle((c, y), 1, held / bs, facecolor=colour[rid], alpha=0.85,
                                             hatch="//" if len(who) > 1 else None, edgecolor="grey"))
             label = f"{rid}:{j}" + (f" (x{len(who)})" if len(who) > 1 else "")
-            ax_pool.text(c + 0.5, y + 0.62, label, ha="center", va="center", fontsize=7)
-        ax_pool.text(c + 0.5, y + 0.2, str(block), ha="center", va="center", fontsize=6, color="dimgrey")
+            ax_pool.text(c + 0.5, y + 0.62, label, ha="center", va="center", fontsize=8)
+        ax_pool.text(c + 0.5, y + 0.2, str(block), ha="center", va="center", fontsize=7.5, color="#444444")
     ax_pool.set_xlim(0, ncols)
     ax_pool.set_ylim(0, nrows)
-    ax_pool.set_aspect("equal")
     ax_pool.axis("off")
-    ax_pool.set_title(f"physical pool: {bm.num_blocks} blocks of {bs} slots, {bm.num_free_blocks} free")
+    ax_pool.set_title(f"physical pool: {bm.num_blocks} blocks of {bs} slots, {bm.num_free_blocks} free", fontsize=10)
     for i, s in enumerate(seqs):
         y = len(seqs) - 1 - i
         for j, block in enumerate(s.block_table):
@@ -120,10 +152,10 @@ def plot_block_pool(block_manager, seqs, ncols: int = 8, axes=None):
             ax_tables.text(j + 0.5, y + 0.5, str(block), ha="center", va="center", fontsize=8)
         ax_tables.text(-0.15, y + 0.5, f"{s.request_id} ({s.num_tokens} tok)", ha="right", va="center", fontsize=8)
     width = max((len(s.block_table) for s in seqs), default=1)
-    ax_tables.set_xlim(0, max(width, 3))
+    ax_tables.set_xlim(-2.2, max(width, ncols - 2.2))
     ax_tables.set_ylim(0, max(len(seqs), 1))
     ax_tables.axis("off")
-    ax_tables.set_title("block tables (logical block -> physical block)")
+    ax_tables.set_title("block tables (logical block -> physical block)", fontsize=10)
     return axes
 
 
@@ -148,11 +180,12 @@ def plot_paged_step(block_tables, context_lens, slot_mapping, block_size: int, n
              for b, (table, ctx) in enumerate(zip(block_tables, context_lens)) for pos in range(ctx)}
     nrows = cdiv(num_blocks, ncols)
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 1.1 * nrows * bs / 2 + 0.8))
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 0.9 * nrows * bs / 2 + 1.2))
+        fig.subplots_adjust(left=0.01, right=0.99)
     for block in range(num_blocks):
         r, c = divmod(block, ncols)
         top = (nrows - r) * (bs + 1.5)
-        ax.text(c + 0.5, top - 0.4, f"block {block}", ha="center", fontsize=7, color="dimgrey")
+        ax.text(c + 0.5, top - 0.4, f"block {block}", ha="center", fontsize=8, color="dimgrey")
         for off in range(bs):
             slot, y = block * bs + off, top - 1.5 - off
             b = owner.get(slot)
@@ -160,13 +193,14 @@ def plot_paged_step(block_tables, context_lens, slot_mapping, block_size: int, n
             ax.add_patch(plt.Rectangle((c + 0.05, y), 0.9, 0.9, facecolor=face, edgecolor="grey",
                                        alpha=1.0 if slot in new_slot else 0.3))
             if slot in new_slot:
-                ax.text(c + 0.5, y + 0.45, str(new_slot[slot]), ha="center", va="center", fontsize=7, color="white")
+                ax.text(c + 0.5, y + 0.45, str(new_slot[slot]), ha="center", va="center", fontsize=8, color="white")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[i % len(colours)]) for i in range(len(names))]
-    ax.legend(handles, names, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    ax.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.0), fontsize=8, ncol=len(names),
+              frameon=False)
     ax.set_xlim(0, ncols)
     ax.set_ylim(0, nrows * (bs + 1.5))
     ax.axis("off")
-    ax.set_title(f"the pool, {num_blocks} blocks of {bs} slots: pale = earlier steps' KV, "
+    ax.set_title(f"the pool, {num_blocks} blocks of {bs} slots: pale = earlier steps' KV,\n"
                  "solid = this step's new tokens (their row in the flat batch)", fontsize=9)
     return ax
 
@@ -197,7 +231,7 @@ def plot_batch_timeline(steps, request_ids=None, ax=None, title=None):
         request_ids = list(dict.fromkeys(rid for step in steps for rid, _ in step))
     row = {rid: i for i, rid in enumerate(request_ids)}
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(14, 2 + 0.22 * len(steps)), 0.8 + 0.32 * len(request_ids)))
+        _, ax = plt.subplots(figsize=(min(5.4, 2 + 0.22 * len(steps)), 0.8 + 0.32 * len(request_ids)))
     for t, step in enumerate(steps):
         for rid, kind in step:
             colour, hatch, _ = TIMELINE_KINDS[kind]
@@ -247,16 +281,20 @@ def plot_hash_chain(prompts, block_size: int, hash_fn, names=None, ax=None, titl
         rows.append((path, tuple(tokens[len(tokens) // block_size * block_size:])))
     width = max(len(p) + (1 if tail else 0) for p, tail in rows)
     if ax is None:
-        _, ax = plt.subplots(figsize=(2.3 * width + 1.5, 1.1 * len(prompts) + 0.6))
-    bw, bh = 1.7, 0.62
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 1.1 * len(prompts) + 0.6))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.86)
+    per_line = 4 if max((len(str(t)) for p in prompts for t in p), default=1) <= 2 else 2  # long ids: two a line
+    tall = block_size > 2 * per_line
+    bw, bh = 1.7, 0.9 if tall else 0.62
 
     def box(x, y, tokens, label, shared, dashed=False):
         ax.add_patch(plt.Rectangle((2.3 * x, -y - bh / 2), bw, bh, facecolor="#c6dbef" if shared else "white",
                                    edgecolor="grey" if dashed else "#08519c", linestyle="--" if dashed else "-",
                                    linewidth=1.2))
-        text = " ".join(map(str, tokens))
-        ax.text(2.3 * x + bw / 2, -y + 0.1, text, ha="center", va="center", fontsize=8 if len(text) <= 18 else 6)
-        ax.text(2.3 * x + bw / 2, -y - 0.16, label, ha="center", va="center", fontsize=7,
+        lines = [" ".join(map(str, tokens[i:i + per_line])) for i in range(0, len(tokens), per_line)]
+        ax.text(2.3 * x + bw / 2, -y + (0.13 if tall else 0.1), "\n".join(lines), ha="center", va="center",
+                fontsize=7 if tall else 8)
+        ax.text(2.3 * x + bw / 2, -y - (0.33 if tall else 0.18), label, ha="center", va="center", fontsize=7.5,
                 color="dimgrey" if dashed else "#08519c", family="monospace")
 
     for h, (x, y, tokens, n) in nodes.items():
@@ -268,7 +306,7 @@ def plot_hash_chain(prompts, block_size: int, hash_fn, names=None, ax=None, titl
                         arrowprops=dict(arrowstyle="->", color="#08519c", lw=1))
         if tail:
             x = len(path)
-            box(x, row, tail, "partial: no hash", False, dashed=True)
+            box(x, row, tail, "no hash", False, dashed=True)
             if path:
                 xa, ya, *_ = nodes[path[-1]]
                 ax.annotate("", xy=(2.3 * x, -row), xytext=(2.3 * xa + bw, -ya),
@@ -280,8 +318,8 @@ def plot_hash_chain(prompts, block_size: int, hash_fn, names=None, ax=None, titl
     ax.set_xlim(-2.2, 2.3 * width)
     ax.set_ylim(-len(prompts) + 0.4, 0.6)
     ax.axis("off")
-    ax.set_title(title or f"hash chain, block_size={block_size}: box = full block (tokens, #hash); "
-                          "shaded = shared by several prompts", fontsize=9)
+    ax.set_title(title or f"hash chain, block_size={block_size}: box = full block (tokens, #hash);\n"
+                          "shaded = shared by several prompts, dashed = a partial block (no hash)", fontsize=9)
     return ax
 
 
@@ -293,17 +331,17 @@ __all__ += ["plot_prompt_chunks", "plot_step_timeline", "plot_stream_gaps", "plo
 def plot_prompt_chunks(prompt_len: int, cached: int, chunks, ax=None, title=None):
     """One prompt as a bar: the prefix served from the cache, then each prefill chunk ``(start, end)`` (chapter 09)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 1.3))
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 1.3))
     if cached:
         ax.barh(0, cached, left=0, color="#bbbbbb", edgecolor="white")
-        ax.text(cached / 2, 0, "from the prefix cache", ha="center", va="center", fontsize=8)
+        ax.text(cached / 2, 0, "from the\nprefix cache", ha="center", va="center", fontsize=8)
     colours = plt.get_cmap("tab10").colors
     for i, (a, b) in enumerate(chunks):
         ax.barh(0, b - a, left=a, color=colours[i % len(colours)], edgecolor="white", alpha=0.85)
         if (b - a) / prompt_len > 0.04:
-            ax.text((a + b) / 2, 0, f"chunk\n{i}", ha="center", va="center", fontsize=7)
+            ax.text((a + b) / 2, 0, f"chunk\n{i}", ha="center", va="center", fontsize=8)
     edges = sorted({0, cached, prompt_len} | {x for c in chunks for x in c})
-    ax.set_xticks(edges, [str(x) for x in edges], fontsize=7)
+    ax.set_xticks(edges, [str(x) for x in edges], fontsize=8)
     ax.set_xlim(0, prompt_len)
     ax.set_yticks([])
     ax.set_xlabel("prompt position (chunk boundaries marked)")
@@ -320,7 +358,7 @@ def plot_step_timeline(trace, ax=None, title=None, max_tokens=None):
     A wide dark bar is a long prefill: every stream waits for it to end.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 2.6))
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 2.6))
     t0 = trace.start
     for st in trace.steps:
         x, w = st.start - t0, st.seconds
@@ -345,7 +383,7 @@ def plot_stream_gaps(trace, request_ids, ax=None, title=None, max_gap=None, labe
     waited for it since the previous token of the same request.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 2.6))
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 2.6))
     t0 = trace.start
     xs, ys = [], []
     for rid in request_ids:
@@ -373,7 +411,8 @@ def plot_chunk_tradeoff(summaries: dict, selected=None, axes=None):
     the ``selected`` label is drawn dark.
     """
     if axes is None:
-        _, axes = plt.subplots(1, 3, figsize=(11, 2.8))
+        _, axes = plt.subplots(1, 3, figsize=(PAGE_WIDTH, 2.8))
+        plt.subplots_adjust(wspace=0.6)
     labels = list(summaries)
     colours = ["#08519c" if lab == selected else "#9ecae1" for lab in labels]
     panels = [("max_gap", "longest gap of a stream (s)", "lower is better"),
@@ -383,7 +422,7 @@ def plot_chunk_tradeoff(summaries: dict, selected=None, axes=None):
         ax.bar(range(len(labels)), [summaries[lab][key] for lab in labels], color=colours)
         ax.set_xticks(range(len(labels)), labels, rotation=30, fontsize=8)
         ax.set_ylabel(ylabel, fontsize=9)
-        ax.set_title(better, fontsize=8)
+        ax.set_title(better, fontsize=9)
     return axes
 
 
@@ -414,7 +453,8 @@ def plot_preemption_comparison(rows: dict, axes=None):
     panels = [("completion_s", "completion time (s)", 1), ("mean_ttft_s", "mean TTFT (s)", 1),
               ("mean_tpot_s", "mean TPOT (ms)", 1e3), ("preemptions", "preemptions", 1)]
     if axes is None:
-        _, axes = plt.subplots(1, len(panels), figsize=(13, 2.8))
+        _, axes = plt.subplots(2, 2, figsize=(PAGE_WIDTH, 5.2))
+        axes = axes.ravel()
     colours = ["#7f7f7f", "#d62728", "#1f77b4", "#2ca02c", "#9467bd"]
     for ax, (key, label, scale) in zip(axes, panels):
         ax.bar(names, [rows[n][key] * scale for n in names], color=colours[:len(names)])
@@ -431,34 +471,39 @@ def _box(ax, xy, text, color="#dce9f5", width=2.6, height=0.8, fontsize=8):
     ax.text(x, y, text, ha="center", va="center", fontsize=fontsize)
 
 
-def _arrow(ax, start, end, text=None, rad=0.0, color="#333333", text_dy=0.18):
+def _arrow(ax, start, end, text=None, rad=0.0, color="#333333", text_dy=0.18, text_dx=0.0, ha="center",
+           fontsize=7):
     ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="-|>", color=color, lw=1,
                                                           connectionstyle=f"arc3,rad={rad}"))
     if text:
-        ax.text((start[0] + end[0]) / 2, (start[1] + end[1]) / 2 + text_dy, text, ha="center", fontsize=7,
-                color=color)
+        ax.text((start[0] + end[0]) / 2 + text_dx, (start[1] + end[1]) / 2 + text_dy, text, ha=ha,
+                va="center", fontsize=fontsize, color=color)
 
 
 def plot_engine_loop(ax=None):
     """One engine step as a loop: schedule, copy blocks, forward, sample, update, detokenize (chapters 00, 06)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3.4))
-    stages = [((1.5, 2.4), "LLM.generate / add_request\nvalidate, queue a Sequence", "#f5e6d3"),
-              ((4.6, 2.4), "Scheduler.schedule()\ndecodes, prefills, admissions\nblocks from the BlockManager",
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.3))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.92)
+    stages = [((1.3, 2.5), "LLM.generate /\nadd_request: validate,\nqueue a Sequence", "#f5e6d3"),
+              ((4.6, 2.5), "Scheduler.schedule()\ndecodes, prefills,\nadmissions; blocks\nfrom the BlockManager",
                "#dce9f5"),
-              ((7.7, 2.4), "ModelRunner\nblock copies, one forward,\nsample the last rows", "#dff0d8"),
-              ((7.7, 0.6), "Scheduler.update()\nappend tokens, stop, free,\nregister cached blocks", "#dce9f5"),
-              ((4.6, 0.6), "detokenize, stop strings\nRequestOutput (deltas)", "#f5e6d3")]
+              ((7.9, 2.5), "ModelRunner\nblock copies,\none forward, sample\nthe last rows", "#dff0d8"),
+              ((7.9, 0.45), "Scheduler.update()\nappend tokens, stop,\nfree, register\ncached blocks", "#dce9f5"),
+              ((4.6, 0.45), "detokenize,\nstop strings,\nRequestOutput\n(deltas)", "#f5e6d3")]
     for xy, text, color in stages:
-        _box(ax, xy, text, color, width=2.8, height=1.1)
-    _arrow(ax, (2.9, 2.4), (3.2, 2.4))
-    _arrow(ax, (6.0, 2.4), (6.3, 2.4), "SchedulerOutput", text_dy=0.65)
-    _arrow(ax, (7.7, 1.85), (7.7, 1.15), "sampled ids")
-    _arrow(ax, (6.3, 0.6), (6.0, 0.6))
-    _arrow(ax, (4.6, 1.15), (4.6, 1.85), "next step", color="#888888", text_dy=0.0)
-    _arrow(ax, (3.2, 0.6), (1.5, 1.85), "stream to the caller", rad=-0.2, color="#888888")
-    ax.set_xlim(0, 9.3)
-    ax.set_ylim(-0.1, 3.1)
+        _box(ax, xy, text, color, width=2.4, height=1.25, fontsize=8)
+    _arrow(ax, (2.5, 2.5), (3.4, 2.5))
+    _arrow(ax, (5.8, 2.5), (6.7, 2.5), "Scheduler-\nOutput", text_dy=0.3, fontsize=7.5)
+    _arrow(ax, (7.9, 1.875), (7.9, 1.075), "sampled ids", text_dy=0.0, text_dx=0.1, ha="left", fontsize=7.5)
+    _arrow(ax, (6.7, 0.45), (5.8, 0.45))
+    _arrow(ax, (4.6, 1.075), (4.6, 1.875), "next step", color="#777777", text_dy=0.0, text_dx=0.1, ha="left",
+           fontsize=7.5)
+    ax.plot([3.4, 1.3], [0.45, 0.45], color="#777777", lw=1)  # the deltas go back to the caller
+    _arrow(ax, (1.3, 0.45), (1.3, 1.875), "stream to\nthe caller", color="#777777", text_dy=-0.25, text_dx=-0.1,
+           ha="right", fontsize=7.5)
+    ax.set_xlim(0, 9.2)
+    ax.set_ylim(-0.25, 3.2)
     ax.axis("off")
     ax.set_title("one engine step (LLMEngine.step): every request moves through it together", fontsize=9)
     return ax
@@ -467,26 +512,31 @@ def plot_engine_loop(ax=None):
 def plot_state_machine(ax=None):
     """A Sequence's states and the transitions between them (chapters 06, 09, 10)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3.6))
-    pos = {"WAITING": (1.2, 2.2), "PREFILLING": (4.0, 2.2), "RUNNING": (6.8, 2.2), "FINISHED_*": (9.4, 2.2),
-           "SWAPPED": (5.4, 0.5)}
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.4))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.92)
+    pos = {"WAITING": (1.0, 2.3), "PREFILLING": (3.8, 2.3), "RUNNING": (6.6, 2.3), "FINISHED_*": (9.5, 2.3),
+           "SWAPPED": (5.2, 0.3)}
     colors = {"WAITING": "#f5e6d3", "PREFILLING": "#dce9f5", "RUNNING": "#dff0d8", "FINISHED_*": "#e6e6e6",
               "SWAPPED": "#f2dede"}
     for name, xy in pos.items():
-        _box(ax, xy, name, colors[name], width=1.9, height=0.6, fontsize=8)
-    _arrow(ax, (2.15, 2.3), (3.05, 2.3), "admitted")
-    _arrow(ax, (4.95, 2.3), (5.85, 2.3), "prompt computed")
-    _arrow(ax, (7.75, 2.3), (8.45, 2.3), "stop / length")
-    _arrow(ax, (3.6, 2.55), (4.4, 2.55), "chunk after chunk (chunked prefill)", rad=-1.2, color="#555555",
-           text_dy=0.55)
-    _arrow(ax, (6.8, 1.9), (1.2, 1.9), "preempted: recompute (its KV dropped)", rad=-0.3, color="#aa3333",
-           text_dy=-1.05)
-    _arrow(ax, (6.4, 1.9), (5.8, 0.8), "preempted: swap", color="#aa3333")
-    _arrow(ax, (5.0, 0.8), (4.2, 1.9), "swapped in", color="#aa3333")
-    ax.text(9.4, 1.35, "any state -> ABORTED\n(abort_request) or ERROR\n(the request failed)", ha="center",
-            fontsize=7, color="#555555")
+        _box(ax, xy, name, colors[name], width=1.7, height=0.6, fontsize=8)
+    fs = 7.5
+    _arrow(ax, (1.85, 2.3), (2.95, 2.3), "admitted", text_dy=0.2, fontsize=fs)
+    _arrow(ax, (4.65, 2.3), (5.75, 2.3), "prompt\ncomputed", text_dy=0.3, fontsize=fs)
+    _arrow(ax, (7.45, 2.3), (8.65, 2.3), "stop /\nlength", text_dy=0.3, fontsize=fs)
+    _arrow(ax, (3.4, 2.6), (4.2, 2.6), "chunk after chunk (chunked prefill)", rad=-1.2, color="#555555",
+           text_dy=0.72, fontsize=fs)
+    _arrow(ax, (6.6, 2.0), (1.0, 2.0), rad=-0.3, color="#aa3333")
+    ax.text(2.3, 0.95, "preempted: recompute\n(its KV dropped)", ha="center", va="center", fontsize=fs,
+            color="#aa3333")
+    _arrow(ax, (6.3, 2.0), (5.6, 0.6), "preempted:\nswap", color="#aa3333", text_dy=-0.35, text_dx=0.2, ha="left",
+           fontsize=fs)
+    _arrow(ax, (4.8, 0.6), (4.1, 2.0), "swapped in", color="#aa3333", text_dy=-0.55, text_dx=-0.1, ha="right",
+           fontsize=fs)
+    ax.text(9.5, 1.4, "any state -> ABORTED\n(abort_request) or\nERROR (the request\nfailed)", ha="center",
+            va="center", fontsize=fs, color="#555555")
     ax.set_xlim(0, 10.6)
-    ax.set_ylim(-0.2, 3.4)
+    ax.set_ylim(-0.1, 3.45)
     ax.axis("off")
     ax.set_title("a Sequence's life: its status after each engine step", fontsize=9)
     return ax
@@ -495,7 +545,7 @@ def plot_state_machine(ax=None):
 def plot_request_life(outputs, ax=None, title=None):
     """Each request's life from its own timestamps: waiting, prefill, each token, finish (chapter 00)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 0.6 + 0.45 * len(outputs)))
+        _, ax = plt.subplots(figsize=(PAGE_WIDTH, 0.9 + 0.45 * len(outputs)))
     t0 = min(o.metrics.arrival_time for o in outputs)
     for row, out in enumerate(outputs):
         m = out.metrics
@@ -509,8 +559,8 @@ def plot_request_life(outputs, ax=None, title=None):
     ax.set_xlabel("seconds since the first request arrived")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in ("#f5e6d3", "#1f77b4", "#2ca02c")]
     ax.legend(handles, ["waiting", "prefill (until the first token: TTFT)", "decode, one tick per token"],
-              fontsize=7, loc="lower right")
-    ax.set_title(title or "each request's life, from its own timestamps", fontsize=9)
+              fontsize=8, loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=3, frameon=False)
+    ax.set_title(title or "each request's life, from its own timestamps", fontsize=9, pad=20)
     return ax
 
 
@@ -524,9 +574,9 @@ def _grid(ax, values, x0, y0, face, label=None, hatch=None):
     for i, v in enumerate(values):
         ax.add_patch(plt.Rectangle((x0 + i, y0), 0.95, 0.9, facecolor=face[i], edgecolor="grey", linewidth=0.6,
                                    hatch=None if hatch is None else hatch[i]))
-        ax.text(x0 + i + 0.47, y0 + 0.45, str(v), ha="center", va="center", fontsize=7)
+        ax.text(x0 + i + 0.47, y0 + 0.45, str(v), ha="center", va="center", fontsize=8)
     if label:
-        ax.text(x0 - 0.3, y0 + 0.45, label, ha="right", va="center", fontsize=7)
+        ax.text(x0 - 0.3, y0 + 0.45, label, ha="right", va="center", fontsize=8)
 
 
 def plot_paged_batch(batch, query_lens, names, axes=None):
@@ -537,20 +587,27 @@ def plot_paged_batch(batch, query_lens, names, axes=None):
     sequence. Then, for each group (decodes apart from prefills), one row per
     sequence: its padded block table (hatched: padding, never read), its
     ``query_index`` (the flat rows it gathers; hatched: padding rows, whose
-    outputs ``out_index`` drops), and beside it the group's mask, query rows
-    against key slots (dark: may attend).
+    outputs ``out_index`` drops), and below it the group's mask, query rows
+    against key slots (dark: may attend). ``axes``: the top one, then each
+    group's two.
     """
+    from matplotlib.ticker import MaxNLocator
+
     colours = plt.get_cmap("tab10").colors
     owner = [b for b, q in enumerate(query_lens) for _ in range(q)]
     groups = list(batch.groups)
-    if axes is None:
-        fig = plt.figure(figsize=(11, 1.2 + 1.9 * len(groups)))
-        grid = fig.add_gridspec(1 + len(groups), 2, width_ratios=(1.4, 1), height_ratios=[0.6] + [1.5] * len(groups))
-        axes = [fig.add_subplot(grid[0, :])] + [fig.add_subplot(grid[1 + g, c]) for g in range(len(groups))
-                                                for c in range(2)]
+    width = max([len(owner)] + [max(g.block_tables.shape[1], g.query_index.shape[1]) for g in groups])
+    if axes is None:  # one column, at the page's width: the flat tokens, then each group's tables above its mask
+        heights = [0.5]
+        for group in groups:
+            rows, queries = group.block_tables.shape[0], group.mask.shape[0] * group.mask.shape[1]
+            heights += [0.45 + 0.42 * rows, 0.9 + min(0.12 * queries, 1.2)]
+        fig = plt.figure(figsize=(PAGE_WIDTH, sum(heights) + 0.25 * len(heights)), layout="constrained")
+        grid = fig.add_gridspec(len(heights), 1, height_ratios=heights)
+        axes = [fig.add_subplot(grid[k, 0]) for k in range(len(heights))]
     top = axes[0]
     _grid(top, range(len(owner)), 0, 0, [colours[b % 10] for b in owner], "flat token rows")
-    top.set_xlim(-3.5, max(len(owner), 8) + 0.5)
+    top.set_xlim(-4.2, width + 0.2)
     top.set_ylim(-0.2, 1.1)
     top.axis("off")
     top.set_title("one step's PagedBatch: the flat tokens, then each group as padded rectangles", fontsize=9)
@@ -568,21 +625,23 @@ def plot_paged_batch(batch, query_lens, names, axes=None):
             _grid(left, table, 0, y + 1, [c if u else "white" for u in used], f"{names[b]}: block table",
                   [None if u else "///" for u in used])
             _grid(left, q, 0, y, [c if v else "white" for v in ok], "query_index", [None if v else "///" for v in ok])
-        width = max(len(tables[0]), len(qidx[0]))
-        left.set_xlim(-4.5, width + 0.5)
+        left.set_xlim(-4.2, width + 0.2)
         left.set_ylim(-0.3, 2 * len(tables) + 0.1)
         left.axis("off")
         kind = "decodes" if mask.shape[1] == 1 else "prefills and chunks"
         left.set_title(f"group {g} ({kind}): {len(tables)} rows, tables padded to {len(tables[0])} blocks",
-                       fontsize=8)
+                       fontsize=9)
         right.imshow(mask.reshape(-1, mask.shape[-1]).numpy(), cmap="Greys", aspect="auto", interpolation="nearest")
         for row in range(1, len(tables)):
             right.axhline(row * mask.shape[1] - 0.5, color=colours[3], linewidth=1)
-        right.set_xlabel("key slot of the padded row (block j holds keys j*block_size ...)", fontsize=7)
-        right.set_ylabel("query rows, row after row", fontsize=7)
-        right.set_title(f"group {g} mask {tuple(mask.shape)}: dark = may attend", fontsize=8)
-        right.tick_params(labelsize=6)
-    plt.tight_layout()
+        right.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole rows and key slots, never 0.5
+        right.yaxis.set_major_locator(MaxNLocator(integer=True, nbins=min(6, mask.shape[0] * mask.shape[1])))
+        right.set_xlabel("key slot of the padded row (block j holds keys j*block_size ...)", fontsize=8)
+        right.set_ylabel("query rows", fontsize=8)
+        right.set_title(f"group {g} mask {tuple(mask.shape)}: dark = may attend", fontsize=9)
+        right.tick_params(labelsize=8)
+    if axes[0].figure.get_layout_engine() is None:
+        plt.tight_layout()
     return axes
 
 
@@ -594,34 +653,42 @@ __all__ += ["plot_serving_paths"]
 def plot_serving_paths(ax=None):
     """The event loop, the engine's loop thread and the per-request queues, with one request's path (chapter 13)."""
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 4.4))
-    red = "#c0392b"
-    ax.add_patch(plt.Rectangle((0.1, 0.1), 4.6, 3.6, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
-    ax.text(2.4, 3.5, "event loop thread (uvicorn + FastAPI)", ha="center", fontsize=8, color="#555555")
-    ax.add_patch(plt.Rectangle((5.6, 0.1), 4.9, 3.6, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
-    ax.text(8.05, 3.5, "engine loop thread (EngineLoop.turn)", ha="center", fontsize=8, color="#555555")
-    for k, y in enumerate((2.6, 1.7, 0.8)):
-        _box(ax, (1.2, y), f"handler, request {k}", "#f5e6d3" if k else "#fbd3a5", width=1.8, height=0.6)
-        _box(ax, (3.6, y), f"asyncio.Queue {k}", "#dff0d8" if k else "#b9e0a5", width=1.7, height=0.6)
-        _arrow(ax, (2.75, y), (2.1, y), None, color="#2c7a2c")
-    _box(ax, (6.5, 2.6), "inbox\n(new, aborts)", "#dce9f5", width=1.3, height=0.7)
-    _box(ax, (8.6, 2.6), "LLMEngine.step()\nschedule, forward,\nsample, detokenize", "#dce9f5", width=2.1,
-         height=1.0)
-    _box(ax, (8.6, 0.9), "route: each output\nto its request's queue", "#dce9f5", width=2.1, height=0.8)
-    _arrow(ax, (7.15, 2.6), (7.55, 2.6))
-    _arrow(ax, (8.6, 2.1), (8.6, 1.3))
-    _arrow(ax, (9.65, 0.9), (9.65, 2.1), "next step", color="#888888", rad=0.6, text_dy=0.0)
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 4.0))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.93)
+    red, fs = "#c0392b", 7.5
+    ax.add_patch(plt.Rectangle((0.1, 0.05), 4.6, 3.75, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
+    ax.text(2.4, 3.62, "event loop thread (uvicorn + FastAPI)", ha="center", va="center", fontsize=8,
+            color="#555555")
+    ax.add_patch(plt.Rectangle((5.3, 0.05), 5.4, 3.75, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
+    ax.text(8.0, 3.62, "engine loop thread (EngineLoop.turn)", ha="center", va="center", fontsize=8,
+            color="#555555")
+    for k, y in enumerate((2.6, 1.8, 1.0)):
+        _box(ax, (1.2, y), f"handler,\nrequest {k}", "#f5e6d3" if k else "#fbd3a5", width=1.6, height=0.6,
+             fontsize=fs)
+        _box(ax, (3.55, y), f"asyncio.Queue {k}", "#dff0d8" if k else "#b9e0a5", width=1.9, height=0.6, fontsize=fs)
+        _arrow(ax, (2.6, y), (2.0, y), None, color="#2c7a2c")
+    _box(ax, (6.2, 2.6), "inbox\n(new,\naborts)", "#dce9f5", width=1.2, height=0.85, fontsize=fs)
+    _box(ax, (8.45, 2.6), "LLMEngine.step()\nschedule, forward,\nsample, detokenize", "#dce9f5", width=2.5,
+         height=0.85, fontsize=fs)
+    _box(ax, (8.45, 1.15), "route: each output\nto its request's queue", "#dce9f5", width=2.5, height=0.7,
+         fontsize=fs)
+    _arrow(ax, (6.8, 2.6), (7.2, 2.6))
+    _arrow(ax, (8.45, 2.175), (8.45, 1.5))
+    _arrow(ax, (9.7, 1.15), (9.7, 2.175), "next\nstep", color="#888888", rad=0.6, text_dy=0.0, text_dx=0.52,
+           ha="left", fontsize=fs)
     # one request's path, numbered
-    ax.plot([1.2, 1.2, 6.5], [2.9, 3.15, 3.15], color=red, lw=1)
-    _arrow(ax, (6.5, 3.15), (6.5, 2.95), color=red)
-    ax.text(3.85, 3.2, "1 add_request: validate, put in the inbox", ha="center", fontsize=7, color=red)
-    ax.text(8.6, 3.2, "2 the request joins the batch", ha="center", fontsize=7, color=red)
-    _arrow(ax, (7.55, 0.75), (4.45, 2.45), color=red)
-    ax.text(8.05, 0.22, "3 call_soon_threadsafe(queue.put_nowait, output)", ha="center", fontsize=7, color=red)
-    ax.text(2.4, 0.2, "4 the handler awaits its queue, sends each delta as an\n"
-            "SSE chunk; if the client leaves, it aborts the request", ha="center", fontsize=7, color=red)
-    ax.set_xlim(0, 10.6)
-    ax.set_ylim(-0.15, 3.8)
+    ax.plot([1.2, 1.2, 6.2], [2.9, 3.15, 3.15], color=red, lw=1)
+    _arrow(ax, (6.2, 3.15), (6.2, 3.025), color=red)
+    ax.text(3.7, 3.2, "1 add_request: validate, put in the inbox", ha="center", va="bottom", fontsize=fs,
+            color=red)
+    ax.text(8.45, 3.2, "2 the request joins the batch", ha="center", va="bottom", fontsize=fs, color=red)
+    _arrow(ax, (7.2, 0.95), (4.5, 2.45), color=red)
+    ax.text(8.0, 0.4, "3 call_soon_threadsafe(\nqueue.put_nowait, output)", ha="center", va="center", fontsize=fs,
+            color=red)
+    ax.text(2.4, 0.4, "4 the handler awaits its queue, sends each\ndelta as an SSE chunk; if the client "
+            "leaves,\nit aborts the request", ha="center", va="center", fontsize=fs, color=red)
+    ax.set_xlim(0, 10.8)
+    ax.set_ylim(0, 3.85)
     ax.axis("off")
     ax.set_title("AsyncLLM: the engine never runs on the event loop; each request reads only its own queue",
                  fontsize=9)
@@ -667,30 +734,33 @@ def plot_engine_processes(before: float, device: float, after: float, axes=None)
     and with asynchronous scheduling (right): ``before`` schedule and prepare, ``device`` the forward and the
     logits, ``after`` update and detokenize, in seconds (chapter 13)."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [1.15, 1]})
+        fig, axes = plt.subplots(2, 1, figsize=(PAGE_WIDTH, 7.6), gridspec_kw={"height_ratios": [1.25, 1]})
+        fig.subplots_adjust(left=0.09, right=0.99, bottom=0.07, top=0.96, hspace=0.22)
     ax = axes[0]
     for x, w, y, h, label in ((0.1, 4.5, 3.0, 3.0, "vLLM V1: API server process"),
                               (5.5, 4.6, 3.0, 3.0, "vLLM V1: EngineCore process"),
                               (0.1, 10.0, 0.05, 2.65, "minivllm: one process (AsyncLLM), one GIL")):
         ax.add_patch(plt.Rectangle((x, y), w, h, facecolor="#f7f7f7", edgecolor="#999999", linestyle="--"))
         ax.text(x + w / 2, y + h - 0.3, label, ha="center", fontsize=8, color="#555555")
+    fs = 7.5
     _box(ax, (2.35, 4.85), "uvicorn event loop: HTTP, JSON,\ntokenize (input processor)", "#f5e6d3",
-         width=3.9, height=0.75, fontsize=7)
+         width=3.9, height=0.75, fontsize=fs)
     _box(ax, (2.35, 3.8), "AsyncLLM: OutputProcessor\ndetokenize, a queue per request", "#f5e6d3", width=3.9,
-         height=0.75, fontsize=7)
-    _box(ax, (7.8, 4.95), "input thread: ZMQ -> input_queue", "#dce9f5", width=4.0, height=0.5, fontsize=7)
-    _box(ax, (7.8, 4.25), "run_busy_loop: schedule, execute,\nupdate (a GIL of its own)", "#dce9f5", width=4.0,
-         height=0.7, fontsize=7)
-    _box(ax, (7.8, 3.45), "output thread: output_queue -> ZMQ", "#dce9f5", width=4.0, height=0.5, fontsize=7)
-    _arrow(ax, (4.3, 4.75), (5.8, 4.9), "ZMQ,", text_dy=-0.32)
-    _arrow(ax, (5.8, 3.45), (4.3, 3.7), "msgpack", text_dy=0.22)
+         height=0.75, fontsize=fs)
+    _box(ax, (7.8, 4.95), "input thread: ZMQ -> input_queue", "#dce9f5", width=4.2, height=0.5, fontsize=fs)
+    _box(ax, (7.8, 4.25), "run_busy_loop: schedule, execute,\nupdate (a GIL of its own)", "#dce9f5", width=4.2,
+         height=0.7, fontsize=fs)
+    _box(ax, (7.8, 3.45), "output thread: output_queue -> ZMQ", "#dce9f5", width=4.2, height=0.5, fontsize=fs)
+    _arrow(ax, (4.3, 4.85), (5.7, 4.95))
+    _arrow(ax, (5.7, 3.45), (4.3, 3.7))
+    ax.text(5.05, 4.3, "ZMQ,\nmsgpack", ha="center", va="center", fontsize=fs)
     _box(ax, (2.6, 1.25), "event loop thread: HTTP, JSON,\ntokenize, each request's handler", "#f5e6d3",
-         width=4.2, height=0.9, fontsize=7)
+         width=4.2, height=0.9, fontsize=fs)
     _box(ax, (7.6, 1.25), "engine loop thread: inbox, LLMEngine.step\n(schedule, forward, sample, update,\n"
-         "detokenize), route to the queues", "#dce9f5", width=4.4, height=1.1, fontsize=7)
+         "detokenize), route to the queues", "#dce9f5", width=4.6, height=1.1, fontsize=fs)
     _arrow(ax, (4.7, 1.45), (5.4, 1.45))
     _arrow(ax, (5.4, 1.0), (4.7, 1.0))
-    ax.text(5.05, 0.3, "Python runs on one of the two threads at a time", ha="center", fontsize=7,
+    ax.text(5.05, 0.3, "Python runs on one of the two threads at a time", ha="center", fontsize=fs,
             color="#c0392b")
     ax.set_xlim(0, 10.2)
     ax.set_ylim(0, 6.0)
@@ -709,15 +779,15 @@ def plot_engine_processes(before: float, device: float, after: float, axes=None)
                         edgecolor="#333333", linewidth=0.5)
                 if length > 0.03 * span:  # the step's number, where it fits
                     ax.text(1e3 * (start + length / 2), row + dy, label.split()[1], ha="center",
-                            va="center", fontsize=7)
+                            va="center", fontsize=8)
         ax.text(0, row + 0.48, ("asynchronous scheduling" if overlap else "synchronous") +
                 f": a step every {1e3 * lanes['period']:.1f} ms once running", fontsize=8)
     ax.set_yticks([0.2, -0.2, 1.7, 1.3], ["host", "device", "host", "device"], fontsize=8)
-    ax.set_ylim(-0.9, 2.2)
+    ax.set_ylim(-1.0, 2.2)
     ax.set_xlabel("ms (measured phases, three steps)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, ["schedule, prepare", "update, detokenize", "forward, logits"], fontsize=7,
-              loc="lower right")
+    ax.legend(handles, ["schedule, prepare", "update, detokenize", "forward, logits"], fontsize=8,
+              loc="lower center", ncol=3)  # one row, under the bars
     ax.set_title("what asynchronous scheduling overlaps (on a GPU)", fontsize=9)
     return axes
 
@@ -736,7 +806,8 @@ def plot_offload_step(offload, restore, num_blocks: int, num_tier_blocks: int, a
     restores (2); then the forward (3) reads and writes the pool.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 3.4))
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.3))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.92)
     dev_x = {b: 0.5 + b * (10.0 / max(num_blocks, 1)) for b in range(num_blocks)}
     tier_x = {s: 0.5 + s * (10.0 / max(num_tier_blocks, 1)) for s in range(num_tier_blocks)}
     dw, tw = 9.0 / max(num_blocks, 1), 9.0 / max(num_tier_blocks, 1)
@@ -745,24 +816,24 @@ def plot_offload_step(offload, restore, num_blocks: int, num_tier_blocks: int, a
     for b, x in dev_x.items():
         face = "#f4a582" if b in out_dev else "#92c5de" if b in in_dev else "#eeeeee"
         ax.add_patch(plt.Rectangle((x, 2.4), dw, 0.6, facecolor=face, edgecolor="grey"))
-        ax.text(x + dw / 2, 2.7, str(b), ha="center", va="center", fontsize=7)
+        ax.text(x + dw / 2, 2.7, str(b), ha="center", va="center", fontsize=8 if num_blocks <= 16 else 7)
     for s, x in tier_x.items():
         face = "#f4a582" if s in out_tier else "#92c5de" if s in in_tier else "#eeeeee"
         ax.add_patch(plt.Rectangle((x, 0.4), tw, 0.6, facecolor=face, edgecolor="grey"))
-        ax.text(x + tw / 2, 0.7, str(s), ha="center", va="center", fontsize=6)
-    ax.text(0.4, 2.7, "device pool\n(blocks)", ha="right", va="center", fontsize=8)
-    ax.text(0.4, 0.7, "host tier\n(slots)", ha="right", va="center", fontsize=8)
+        ax.text(x + tw / 2, 0.7, str(s), ha="center", va="center", fontsize=8 if num_tier_blocks <= 16 else 7.5)
+    ax.text(0.4, 2.7, "device pool\n(blocks)", ha="right", va="center", fontsize=8.5)
+    ax.text(0.4, 0.7, "host tier\n(slots)", ha="right", va="center", fontsize=8.5)
     for d, t in offload:
         _arrow(ax, (dev_x[d] + dw / 2, 2.4), (tier_x[t] + tw / 2, 1.0), color="#b2182b")
     for t, d in restore:
         _arrow(ax, (tier_x[t] + tw / 2, 1.0), (dev_x[d] + dw / 2, 2.4), color="#2166ac")
-    ax.text(10.7, 2.1, f"1 offloads ({len(offload)}): evicted blocks' KV\n   out, before anything writes them",
-            fontsize=7, color="#b2182b", va="center")
-    ax.text(10.7, 1.5, f"2 restores ({len(restore)}): tier hits\n   back into fresh device blocks", fontsize=7,
+    ax.text(-1.3, -0.05, f"1 offloads ({len(offload)}): evicted blocks'\nKV out, before anything writes them",
+            fontsize=8, color="#b2182b", va="center")
+    ax.text(3.6, -0.05, f"2 restores ({len(restore)}): tier hits\nback into fresh device blocks", fontsize=8,
             color="#2166ac", va="center")
-    ax.text(10.7, 0.9, "3 the forward: reads and\n   writes the pool", fontsize=7, va="center")
-    ax.set_xlim(-1.2, 13.4)
-    ax.set_ylim(0.2, 3.4)
+    ax.text(7.6, -0.05, "3 the forward: reads\nand writes the pool", fontsize=8, va="center")
+    ax.set_xlim(-1.4, 10.6)
+    ax.set_ylim(-0.4, 3.1)
     ax.axis("off")
     ax.set_title(title or "one step's copies between the device pool and the tier", fontsize=9)
     return ax
@@ -786,7 +857,7 @@ def _matrix(ax, x, y, w, h, parts=1, axis=None, colours=None, label=None, alpha=
         ax.add_patch(plt.Rectangle(box[:2], *box[2:], facecolor=face, edgecolor="#333333", linewidth=0.8,
                                    alpha=alpha))
     if label:
-        ax.text(x + w / 2, y - 0.25, label, ha="center", va="top", fontsize=7)
+        ax.text(x + w / 2, y - 0.15, label, ha="center", va="top", fontsize=7.5)
 
 
 def plot_tp_split(tp: int = 3, ax=None):
@@ -799,7 +870,8 @@ def plot_tp_split(tp: int = 3, ax=None):
     the ``tp`` partials.
     """
     if ax is None:
-        _, ax = plt.subplots(figsize=(11, 3.8))
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.2))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.92)
     colours = plt.get_cmap("tab10").colors[:tp]
     _matrix(ax, 0.2, 1.2, 0.8, 1.6, label="X\n[tokens, K]\nevery rank")
     ax.text(1.25, 2.0, "@", fontsize=12, ha="center", va="center")
@@ -811,11 +883,11 @@ def plot_tp_split(tp: int = 3, ax=None):
     ax.text(7.15, 2.0, "=", fontsize=12, ha="center", va="center")
     for r in range(tp):
         _matrix(ax, 7.4 + 0.18 * r, 1.5 - 0.18 * r, 0.8, 1.6, colours=[colours[r]], alpha=0.85)
-    ax.text(7.95, 0.75, f"{tp} partial Y,\none per rank,\nfull width", ha="center", va="top", fontsize=7)
-    _arrow(ax, (8.75, 2.0), (9.35, 2.0), "all-reduce\n(sum)", text_dy=0.25)
+    ax.text(7.95, 0.75, f"{tp} partial Y,\none per rank,\nfull width", ha="center", va="top", fontsize=7.5)
+    _arrow(ax, (8.75, 2.0), (9.35, 2.0), "all-reduce\n(sum)", text_dy=0.35, fontsize=7.5)
     _matrix(ax, 9.5, 1.2, 0.8, 1.6, label="Y [tokens, K]\non every rank")
-    ax.set_xlim(0, 10.6)
-    ax.set_ylim(0, 3.4)
+    ax.set_xlim(-0.2, 10.6)
+    ax.set_ylim(-0.1, 3.3)
     ax.axis("off")
     ax.set_title(f"column then row over {tp} ranks (colour = rank): one all-reduce for the pair", fontsize=9)
     return ax
@@ -854,10 +926,11 @@ def plot_spec_rollback(frames, block_size: int, ax=None, title=None):
     and the released blocks, hatched, on the right."""
     width = max(len(f["blocks"]) + len(f["released"]) for f in frames) * (block_size + 1) + 1
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(13, 1.2 + 0.32 * width), 0.9 + 1.1 * len(frames)))
+        fig, ax = plt.subplots(figsize=(min(PAGE_WIDTH, 1.2 + 0.32 * width), 1.6 + 1.1 * len(frames)))
+        fig.subplots_adjust(left=0.2, right=0.99)
     for r, frame in enumerate(frames):
         y = 1.25 * (len(frames) - 1 - r)
-        ax.text(-0.4, y + 0.35, frame["label"], ha="right", va="center", fontsize=8)
+        ax.text(-0.4, y + 0.35, frame["label"], ha="right", va="center", fontsize=8.5)
         for i, block in enumerate(frame["blocks"]):
             x0 = i * (block_size + 1)
             for s in range(block_size):
@@ -867,14 +940,15 @@ def plot_spec_rollback(frames, block_size: int, ax=None, title=None):
             ax.add_patch(plt.Rectangle((x0, y), block_size, 0.7, fill=False, edgecolor="black",
                                        linewidth=2.2 if cached else 0.8))
             ax.text(x0 + block_size / 2, y + 0.82, f"block {block}" + (" (cached)" if cached else ""),
-                    ha="center", fontsize=7)
+                    ha="center", fontsize=8)
         for j, block in enumerate(frame["released"]):
             x0 = (len(frame["blocks"]) + j) * (block_size + 1)
             ax.add_patch(plt.Rectangle((x0, y), block_size, 0.7, facecolor="#eeeeee", edgecolor="grey",
                                        hatch="//"))
-            ax.text(x0 + block_size / 2, y + 0.82, f"block {block}: back to the pool", ha="center", fontsize=7)
+            ax.text(x0 + block_size / 2, y + 0.82, f"block {block}: back to the pool", ha="center", fontsize=7.5)
     handles = [plt.Rectangle((0, 0), 1, 1, facecolor=c, edgecolor="grey") for c, _ in SPEC_KINDS.values()]
-    ax.legend(handles, [t for _, t in SPEC_KINDS.values()], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    ax.legend(handles, [t for _, t in SPEC_KINDS.values()], loc="upper left", bbox_to_anchor=(0.0, 0.0), fontsize=8,
+              ncol=2, frameon=False)
     ax.set_xlim(-0.2, width)
     ax.set_ylim(-0.2, 1.25 * len(frames))
     ax.axis("off")
@@ -898,13 +972,14 @@ def plot_paged_row(block_table, length: int, block_size: int, num_blocks: int, p
     in logical order, block by block, coloured where the row reads them
     (keys ``0 .. position``), hatched where it must not (after its position,
     and the slots past ``length``), with an arrow from each logical block to
-    the pool's block that holds it (``labels`` name the rows). Right: the
+    the pool's block that holds it (``labels`` name the rows). Under the pool: the
     grouped-query heads, ``heads = (query heads, KV heads)``, query head ``h``
     reading KV head ``h // group``.
     """
     colours = plt.get_cmap("tab10").colors
     if ax is None:
-        _, ax = plt.subplots(figsize=(12, 1.8 + 0.55 * len(positions)))
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 3.0 + 0.3 * len(positions)))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.94)
     slot_w = 1.0
     gap = 0.6
     pool_y = 0.0
@@ -916,13 +991,13 @@ def plot_paged_row(block_table, length: int, block_size: int, num_blocks: int, p
             face = colours[0] if mine else ("#d0d0d0" if b not in owner else "white")
             ax.add_patch(plt.Rectangle((x0 + s * slot_w, pool_y), slot_w * 0.95, 0.8, facecolor=face,
                                        edgecolor="grey", linewidth=0.5, alpha=0.85 if mine else 1.0))
-        ax.text(x0 + block_size * slot_w / 2, pool_y - 0.35, f"block {b}" + (f"\n(table[{owner[b]}])"
-                if b in owner else ""), ha="center", va="top", fontsize=6)
+        ax.text(x0 + block_size * slot_w / 2, pool_y - 0.25, f"block {b}" + (f"\n(table[{owner[b]}])"
+                if b in owner else ""), ha="center", va="top", fontsize=7.5)
     ax.text(-0.5, pool_y + 0.4, "the pool", ha="right", va="center", fontsize=8)
     row_w = len(block_table) * (block_size * slot_w + gap)
     x_rows = max(0.0, (num_blocks * (block_size * slot_w + gap) - row_w) / 2)
     for r, pos in enumerate(positions):  # the rows, logical keys
-        y = 2.2 + 1.0 * (len(positions) - 1 - r)
+        y = 2.6 + 1.0 * (len(positions) - 1 - r)
         for i in range(len(block_table)):
             x0 = x_rows + i * (block_size * slot_w + gap)
             for s in range(block_size):
@@ -933,32 +1008,33 @@ def plot_paged_row(block_table, length: int, block_size: int, num_blocks: int, p
                                            linewidth=0.5, hatch=None if seen else "///"))
         label = labels[r] if labels else f"row at position {pos}"
         ax.text(x_rows - 0.5, y + 0.35, label, ha="right", va="center", fontsize=8)
-    top = 2.2 + 1.0 * (len(positions) - 1) + 0.85
+    top = 2.6 + 1.0 * (len(positions) - 1) + 0.85
     for i, b in enumerate(block_table):  # logical block i -> the pool's block table[i]
-        start = (x_rows + i * (block_size * slot_w + gap) + block_size * slot_w / 2, 2.15)
+        start = (x_rows + i * (block_size * slot_w + gap) + block_size * slot_w / 2, 2.55)
         end = (b * (block_size * slot_w + gap) + block_size * slot_w / 2, pool_y + 0.85)
         ax.annotate("", xy=end, xytext=start, arrowprops=dict(arrowstyle="->", color=colours[0], lw=1.0))
-        ax.text(start[0], top, f"keys {i * block_size}..{i * block_size + block_size - 1}", ha="center",
-                fontsize=6)
+        ax.text(start[0], top, f"{i * block_size}..{i * block_size + block_size - 1}", ha="center", fontsize=7.5)
+    ax.text(x_rows - 0.5, top, "keys", ha="right", fontsize=8)
     width = max(num_blocks * (block_size * slot_w + gap), x_rows + row_w)
-    h, kvh = heads
+    h, kvh = heads  # grouped-query heads, under the pool: query head q reads KV head q // group
     group = h // kvh
-    hx = width + 2.0
-    for q in range(h):  # grouped-query heads
-        ax.add_patch(plt.Rectangle((hx, top - 0.5 - q * 0.42), 1.4, 0.34, facecolor=colours[2 + q // group],
+    hw = min(3.0, (width - 1.0) / h)
+    qy, ky = -2.9, -4.5
+    for q in range(h):
+        ax.add_patch(plt.Rectangle((q * hw, qy), hw * 0.85, 0.6, facecolor=colours[2 + q // group],
                                    edgecolor="grey", linewidth=0.5))
-        ax.text(hx + 0.7, top - 0.33 - q * 0.42, f"q{q}", ha="center", va="center", fontsize=6)
+        ax.text(q * hw + hw * 0.425, qy + 0.3, f"q{q}", ha="center", va="center", fontsize=7.5)
     for g in range(kvh):
-        yk = top - 0.5 - (g * group + (group - 1) / 2) * 0.42
-        ax.add_patch(plt.Rectangle((hx + 3.0, yk), 1.6, 0.34, facecolor=colours[2 + g], edgecolor="black",
+        xk = (g * group + (group - 1) / 2) * hw
+        ax.add_patch(plt.Rectangle((xk, ky), hw * 0.85, 0.6, facecolor=colours[2 + g], edgecolor="black",
                                    linewidth=0.8))
-        ax.text(hx + 3.8, yk + 0.17, f"kv{g}", ha="center", va="center", fontsize=6)
+        ax.text(xk + hw * 0.425, ky + 0.3, f"kv{g}", ha="center", va="center", fontsize=7.5)
         for q in range(g * group, (g + 1) * group):
-            ax.annotate("", xy=(hx + 3.0, yk + 0.17), xytext=(hx + 1.4, top - 0.33 - q * 0.42),
+            ax.annotate("", xy=(xk + hw * 0.425, ky + 0.6), xytext=(q * hw + hw * 0.425, qy),
                         arrowprops=dict(arrowstyle="-", color="grey", lw=0.6))
-    ax.text(hx + 2.2, top + 0.1, f"{h} query heads, {kvh} KV heads", ha="center", fontsize=7)
-    ax.set_xlim(-7, hx + 5.2)
-    ax.set_ylim(-1.3, top + 0.5)
+    ax.text(h * hw + 0.5, (qy + ky + 0.6) / 2, f"{h} query heads, {kvh} KV heads", va="center", fontsize=8)
+    ax.set_xlim(-9.0, width + 0.2)
+    ax.set_ylim(ky - 0.2, top + 0.6)
     ax.axis("off")
     ax.set_title(title or f"one sequence of {length} tokens in blocks of {block_size}: what each row reads",
                  fontsize=9)
@@ -969,10 +1045,11 @@ def plot_q4_1_block(block: bytes, ax=None, title=None):
     """One GGUF Q4_1 block, byte by byte, and the 32 weights it holds (chapter 18).
 
     Top: its 20 bytes, the fp16 scale ``d`` (bytes 0-1), the fp16 minimum
-    ``m`` (2-3) and 16 bytes of quants, each in hex. Below: weights 0 to 15
-    (the low nibbles) and 16 to 31 (the high nibbles), each with its quant and
-    its value ``d * q + m``; a line joins byte ``j`` to weights ``j`` and
-    ``j + 16``.
+    ``m`` (2-3), then 16 bytes of quants, each in hex, eight to a row. Under
+    each row of quants: the weights of their low nibbles (weight ``j`` for
+    quant byte ``j``) and of their high nibbles (weight ``j + 16``), each
+    with its quant and its value ``d * q + m``; a line joins byte ``j`` to
+    weights ``j`` and ``j + 16``.
     """
     import struct
 
@@ -981,30 +1058,35 @@ def plot_q4_1_block(block: bytes, ax=None, title=None):
         raise ValueError(f"a Q4_1 block is 20 bytes, got {len(block)}")
     d, m = struct.unpack("<ee", block[:4])
     if ax is None:
-        _, ax = plt.subplots(figsize=(13, 3.4))
-    header = ["#fdb863"] * 2 + ["#b2abd2"] * 2 + ["#92c5de"] * 16
-    for i, byte in enumerate(block):
-        ax.add_patch(plt.Rectangle((i * 1.6, 3.0), 1.5, 0.8, facecolor=header[i], edgecolor="grey"))
-        ax.text(i * 1.6 + 0.75, 3.4, f"{byte:02x}", ha="center", va="center", fontsize=7, family="monospace")
-    ax.text(1.55, 4.0, f"d (fp16)\n{d:.6g}", ha="center", fontsize=7)
-    ax.text(4.75, 4.0, f"m (fp16)\n{m:.6g}", ha="center", fontsize=7)
-    ax.text(6.4 + 12.75, 4.05, "16 bytes: weight j in the low nibble, j + 16 in the high one", ha="center",
-            fontsize=8)
-    for half, y in ((0, 1.4), (1, 0.0)):
-        for j in range(16):
-            byte = block[4 + j]
-            q = byte & 0x0F if half == 0 else byte >> 4
-            x = 6.4 + j * 1.6
-            ax.add_patch(plt.Rectangle((x, y), 1.5, 1.0, facecolor="#e7f0e7" if half == 0 else "#f4e3e3",
-                                       edgecolor="grey"))
-            ax.text(x + 0.75, y + 0.68, f"w{j + 16 * half}: q={q}", ha="center", va="center", fontsize=5.5)
-            ax.text(x + 0.75, y + 0.3, f"{d * q + m:.4g}", ha="center", va="center", fontsize=5.5)
-            if half == 0:
-                ax.plot([x + 0.75, x + 0.75], [3.0, y + 1.0], color="grey", lw=0.4)
-    ax.text(6.2, 1.9, "low nibbles:\nweights 0-15", ha="right", va="center", fontsize=7)
-    ax.text(6.2, 0.5, "high nibbles:\nweights 16-31", ha="right", va="center", fontsize=7)
-    ax.set_xlim(-0.3, 32.5)
-    ax.set_ylim(-0.3, 4.7)
+        fig, ax = plt.subplots(figsize=(PAGE_WIDTH, 5.4))
+        fig.subplots_adjust(left=0.01, right=0.99, bottom=0.01, top=0.94)
+    header = ["#fdb863"] * 2 + ["#b2abd2"] * 2
+    for i, byte in enumerate(block[:4]):  # d and m
+        x = 2.0 + i * 1.1 + (0.4 if i >= 2 else 0.0)
+        ax.add_patch(plt.Rectangle((x, 8.6), 1.0, 0.7, facecolor=header[i], edgecolor="grey"))
+        ax.text(x + 0.5, 8.95, f"{byte:02x}", ha="center", va="center", fontsize=8, family="monospace")
+    ax.text(3.05, 9.4, f"d (fp16)\n{d:.6g}", ha="center", fontsize=8)
+    ax.text(5.65, 9.4, f"m (fp16)\n{m:.6g}", ha="center", fontsize=8)
+    ax.text(8.0, 9.2, "bytes 0-3, then 16 bytes of quants:\nweight j in the low nibble of quant j,\n"
+            "weight j + 16 in its high nibble", ha="left", va="center", fontsize=8)
+    for half_row, top in ((0, 7.5), (1, 3.7)):  # quants 0-7, then 8-15
+        ax.text(1.9, top + 0.35, "quant bytes", ha="right", va="center", fontsize=8)
+        ax.text(1.9, top - 1.05, "low nibbles", ha="right", va="center", fontsize=8)
+        ax.text(1.9, top - 2.35, "high nibbles", ha="right", va="center", fontsize=8)
+        for c in range(8):
+            j = 8 * half_row + c
+            byte, x = block[4 + j], 2.0 + c * 1.55
+            ax.add_patch(plt.Rectangle((x, top), 1.45, 0.7, facecolor="#92c5de", edgecolor="grey"))
+            ax.text(x + 0.72, top + 0.35, f"{byte:02x}", ha="center", va="center", fontsize=8, family="monospace")
+            for half, y in ((0, top - 1.55), (1, top - 2.85)):
+                q = byte & 0x0F if half == 0 else byte >> 4
+                ax.add_patch(plt.Rectangle((x, y), 1.45, 1.0, facecolor="#e7f0e7" if half == 0 else "#f4e3e3",
+                                           edgecolor="grey"))
+                ax.text(x + 0.72, y + 0.7, f"w{j + 16 * half}: q={q}", ha="center", va="center", fontsize=7.5)
+                ax.text(x + 0.72, y + 0.3, f"{d * q + m:.4g}", ha="center", va="center", fontsize=7.5)
+            ax.plot([x + 0.72, x + 0.72], [top, top - 0.55], color="grey", lw=0.6)
+    ax.set_xlim(-0.2, 14.5)
+    ax.set_ylim(0.6, 10.2)
     ax.axis("off")
     ax.set_title(title or "one Q4_1 block: 20 bytes for 32 weights, weight = d * q + m", fontsize=9)
     return ax
