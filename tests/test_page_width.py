@@ -9,6 +9,7 @@ the notebooks, so the root conftest.py holds them to the same LIMIT as each
 cell runs under ``pytest --nbval``.
 """
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -66,3 +67,26 @@ def test_the_check_finds_a_long_line_and_fenced_code_in_text():
 def test_the_limit_is_the_one_the_css_names():
     css = (ROOT / "book" / "_static" / "minivllm.css").read_text()
     assert f"at least {LIMIT} monospace characters" in css
+
+
+def _root_conftest():
+    spec = importlib.util.spec_from_file_location("root_conftest", ROOT / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_output_check_reads_what_the_book_shows():
+    """The root conftest.py's check of a cell's outputs under nbval: stdout and a plain-text result are shown,
+    stderr and a result with a figure are not; a carriage return overwrites its line; the limit is this one."""
+    hook = _root_conftest()
+    assert hook.LIMIT == LIMIT
+    wide = "x" * (LIMIT + 1)
+    outputs = [
+        {"output_type": "stream", "name": "stdout", "text": "short\n" + wide + "\n"},
+        {"output_type": "stream", "name": "stderr", "text": "e" * 200},
+        {"output_type": "execute_result", "data": {"text/plain": "'" + "p" * LIMIT + "'"}},
+        {"output_type": "display_data", "data": {"text/plain": "<Figure " + "f" * 200 + ">", "image/png": ""}},
+        {"output_type": "stream", "name": "stdout", "text": "r" * 200 + "\rdone\n\x1b[1m" + "a" * LIMIT + "\x1b[0m"},
+    ]
+    assert hook.too_wide(outputs) == [wide, "'" + "p" * LIMIT + "'"]
