@@ -148,9 +148,12 @@ class ModelRunner:
         mark("sample")
         return result
 
-    def apply_grammars(self, logits: torch.Tensor, chunks: list[ScheduledChunk], mark=_noop_mark) -> bool:
-        """Mask, in place, the logits of every row whose sample has a grammar (chapter 19); False if none has.
-        The time it takes is the step's "grammar" phase (the logits before it stay in "sample", as without one).
+    def apply_grammars(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], mark=_noop_mark
+    ) -> bool:
+        """Mask, in place, the logits of every row whose sample has a grammar (chapter 19); False if
+        none has. The time it takes is the step's "grammar" phase (the logits before it stay in
+        "sample", as without one).
 
         A plain row gets its matcher's bitmask. A drafted row (chapter 17) has
         ``1 + d`` rows: row ``i`` follows draft ``i - 1``, so the matcher is
@@ -163,7 +166,10 @@ class ModelRunner:
         if not rows:
             return False
         mark("sample")
-        bitmask = torch.full((logits.shape[0], bitmask_words(logits.shape[-1])), -1, dtype=torch.int32)  # all allowed
+        # all allowed
+        bitmask = torch.full(
+            (logits.shape[0], bitmask_words(logits.shape[-1])), -1, dtype=torch.int32
+        )
         index = []
         for first, grammar, drafts in rows:
             advanced = 0
@@ -237,7 +243,9 @@ class ModelRunner:
             return None
         return self.model.compute_logits(hidden[rows])
 
-    def run_prefill_chunk(self, seq: Sequence, chunk_token_ids: list[int], start_pos: int) -> int | None:
+    def run_prefill_chunk(
+        self, seq: Sequence, chunk_token_ids: list[int], start_pos: int
+    ) -> int | None:
         """Prefill ``chunk_token_ids`` of ``seq`` at positions ``start_pos`` onward (chapter 09).
 
         The chunk attends to every cached token before ``start_pos`` and causally
@@ -246,8 +254,15 @@ class ModelRunner:
         Returns the sampled token if the chunk ends the sequence, else None.
         """
         end = start_pos + len(chunk_token_ids)
-        chunk = ScheduledChunk(seq, start_pos, len(chunk_token_ids), slots(seq.block_table, start_pos, end, self.block_size))
+        chunk = ScheduledChunk(
+            seq,
+            start_pos,
+            len(chunk_token_ids),
+            slots(seq.block_table, start_pos, end, self.block_size),
+        )
         if seq.token_slice(chunk.start, chunk.end) != list(chunk_token_ids):
-            raise ValueError("chunk_token_ids must be the sequence's tokens at [start_pos, start_pos + len)")
+            raise ValueError(
+                "chunk_token_ids must be the sequence's tokens at [start_pos, start_pos + len)"
+            )
         out = self.run([chunk])
         return out.token_ids[0] if out.token_ids else None
