@@ -11,6 +11,7 @@ has nothing the book would show instead (a figure, HTML). Stderr is not shown
 """
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,9 @@ LIMIT = 100  # tests/test_page_width.py's LIMIT: what book/_static/minivllm.css 
 SHOWN_INSTEAD = ("text/html", "image/png", "image/jpeg", "image/svg+xml", "text/markdown", "text/latex",
                  "application/javascript", "application/vnd.jupyter.widget-view+json")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# tests/test_page_width.py's TEMPORARILY_UNCHECKED (notebooks being rewritten elsewhere): to be emptied with it
+TEMPORARILY_UNCHECKED = {"book/09_chunked_prefill.ipynb", "book/11_benchmarks.ipynb", "book/12_where_time_goes.ipynb"}
+ROOT = Path(__file__).resolve().parent
 
 
 def shown_lines(outputs) -> list[str]:
@@ -46,6 +50,9 @@ def too_wide(outputs, limit: int = LIMIT) -> list[str]:
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
     if call.when != "call" or not report.passed or getattr(item, "test_outputs", None) is None:
+        return
+    path = Path(item.path).resolve()
+    if path.is_relative_to(ROOT) and path.relative_to(ROOT).as_posix() in TEMPORARILY_UNCHECKED:
         return
     if "remove-output" in (getattr(getattr(item, "cell", None), "metadata", {}) or {}).get("tags", []):
         return
