@@ -98,7 +98,9 @@ def chunked_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size
     for a in range(0, n, chunk_size):
         b = min(a + chunk_size, n)
         k_seen, v_seen = k[..., :b, :], v[..., :b, :]
-        outs.append(_softmax_attention(q[..., a:b, :], k_seen, v_seen, causal_chunk_mask(a, b, q.device)))
+        outs.append(
+            _softmax_attention(q[..., a:b, :], k_seen, v_seen, causal_chunk_mask(a, b, q.device))
+        )
         trace.append((a, b, tuple(k_seen.shape)))
     return torch.cat(outs, dim=-2), trace
 
@@ -351,28 +353,45 @@ class PagedBatch:
         self.max_q, self.max_k = 1, W * block_size
         return self
 
-    def _group(self, rows, block_tables, context_lens, query_lens, starts, device) -> AttentionGroup:
+    def _group(
+        self, rows, block_tables, context_lens, query_lens, starts, device
+    ) -> AttentionGroup:
         bs = self.block_size
         ctx = torch.tensor([context_lens[b] for b in rows], device=device)
         qlen = torch.tensor([query_lens[b] for b in rows], device=device)
         start = torch.tensor([starts[b] for b in rows], device=device)
         width = max(len(block_tables[b]) for b in rows)
-        tables = torch.tensor([block_tables[b] + [0] * (width - len(block_tables[b])) for b in rows],
-                              dtype=torch.long, device=device)
+        tables = torch.tensor(
+            [block_tables[b] + [0] * (width - len(block_tables[b])) for b in rows],
+            dtype=torch.long,
+            device=device,
+        )
         max_q = int(qlen.max())
         key_pos = torch.arange(width * bs, device=device)  # keys are read whole blocks at a time
         i = torch.arange(max_q, device=device)
         valid = i < qlen[:, None]  # [B, Lq]
         query_pos = ctx[:, None] - qlen[:, None] + i  # global position of each query row
-        mask = key_pos[None, None, :] <= query_pos[:, :, None]  # [B, Lq, S]; also hides unused slots
+        # [B, Lq, S]; also hides unused slots
+        mask = key_pos[None, None, :] <= query_pos[:, :, None]
         mask &= valid[:, :, None]
         mask[:, :, 0] |= ~valid  # padded rows see one key, so softmax stays finite
         query_index = torch.where(valid, start[:, None] + i, 0)
         every_token = max_q == 1 and [starts[b] for b in rows] == list(range(self.num_tokens))
         fresh = max_q > 1 and all(context_lens[b] == query_lens[b] for b in rows)
         spans = tuple((starts[b], query_lens[b]) for b in rows) if fresh else ()
-        return AttentionGroup(tables, mask, fold_mask(mask, self.num_queries_per_kv), query_index, valid,
-                              query_index[valid], bool(qlen.min() == max_q), every_token, ctx, fresh, spans)
+        return AttentionGroup(
+            tables,
+            mask,
+            fold_mask(mask, self.num_queries_per_kv),
+            query_index,
+            valid,
+            query_index[valid],
+            bool(qlen.min() == max_q),
+            every_token,
+            ctx,
+            fresh,
+            spans,
+        )
 
 
 def split_by_padding(rows: list, key_lens: list[int], query_lens: list[int], max_groups: int = MAX_GROUPS,
@@ -527,11 +546,19 @@ class MiniPagedKVCache(PagedKVCache):
     :func:`choose_attention_kernel` chose (``attention_kernel`` says which)."""
 
     def forward(self, layer: int, q, k, v, positions, batch: PagedBatch):
-        if self.attention_kernel == PAGED_KERNEL:  # every row in one call, to its own length (chapter 18)
+        # every row in one call, to its own length (chapter 18)
+        if self.attention_kernel == PAGED_KERNEL:
             k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
             self.ops.write_kv(k, v, k_slots, v_slots, batch.slot_mapping)
-            return self.ops.paged_attention(q, k_slots, v_slots, batch.block_table, batch.context_lens,
-                                            batch.cu_seq_q, self.block_size)
+            return self.ops.paged_attention(
+                q,
+                k_slots,
+                v_slots,
+                batch.block_table,
+                batch.context_lens,
+                batch.cu_seq_q,
+                self.block_size,
+            )
         k_pool, v_pool = self.k[layer], self.v[layer]
         write = batch.write_slots(self.scratch_slot)  # -1: the scratch slot
         self.k_slots[layer].index_copy_(0, write, k)
@@ -541,16 +568,20 @@ class MiniPagedKVCache(PagedKVCache):
         out = None if batch.groups and batch.groups[0].every_token else torch.empty_like(q)
         for g in batch.groups:
             if g.fresh and self._attends_prompts_alone(q.device):
-                for start, n in g.spans:  # a whole prompt: its keys are this step's, already in k and v
+                # a whole prompt: its keys are this step's, already in k and v
+                for start, n in g.spans:
                     rows = slice(start, start + n)
-                    o = attend_fresh(*(t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))  # [1, heads, n, D]
+                    # [1, heads, n, D]
+                    o = attend_fresh(*(t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)))
                     out[rows] = o[0].transpose(0, 1)
                 continue
-            queries = q.unsqueeze(2) if g.every_token else q[g.query_index].transpose(1, 2)  # [B, heads, Lq, D]
+            # [B, heads, Lq, D]
+            queries = q.unsqueeze(2) if g.every_token else q[g.query_index].transpose(1, 2)
             o = self._attend_group(g, queries, k_pool, v_pool)  # [B, Lq, heads, D]
             if g.every_token:  # a decode-only step: row b is token b
                 return o.flatten(0, 1)
-            out[g.out_index] = o.flatten(0, 1) if g.all_valid else o[g.valid]  # decodes: no padding rows
+            # decodes: no padding rows
+            out[g.out_index] = o.flatten(0, 1) if g.all_valid else o[g.valid]
         return out
 
     def _attends_prompts_alone(self, device: torch.device) -> bool:

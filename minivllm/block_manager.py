@@ -52,7 +52,8 @@ class Block:
     ref_count: int = 0  # sequences whose block table holds it
     hash: int | None = None  # chain hash, while registered in the prefix cache
     tokens: tuple[int, ...] | None = None  # the token ids its KV was computed for, while registered
-    parent: tuple[int, int] | None = None  # (block id, generation) of the block before it, while registered
+    # (block id, generation) of the block before it, while registered
+    parent: tuple[int, int] | None = None
     generation: int = 0  # bumped at each registration, so a stale parent link never matches
 
     def matches(self, tokens: tuple[int, ...], parent: tuple[int, int] | None) -> bool:
@@ -264,7 +265,8 @@ class BlockManager:
 
     # -- the CPU offload tier (chapter 14) -------------------------------------------------------
     def lookup_offloaded(self, seq: Sequence, start_block: int) -> list[int]:
-        """The tier hashes of ``seq``'s blocks from ``start_block`` on (after its device hits), without claiming.
+        """The tier hashes of ``seq``'s blocks from ``start_block`` on (after its device hits),
+        without claiming.
 
         Like :meth:`lookup_prefix`, the last token is never served.
         """
@@ -283,7 +285,8 @@ class BlockManager:
         return found
 
     def _offload(self, block: int) -> None:
-        """A cached block is being evicted: queue its KV's copy to the tier (if the tier takes it)."""
+        """A cached block is being evicted: queue its KV's copy to the tier (if the tier takes
+        it)."""
         if self.tier is None:
             return
         prefix = self.cached_prefix(block)
@@ -331,8 +334,10 @@ class BlockManager:
         cpu_free = set(self.free_cpu_blocks)
         assert len(cpu_free) == len(self.free_cpu_blocks), "a CPU block is twice in the free list"
         for block in range(self.num_cpu_blocks):
-            assert cpu_owners[block] + (block in cpu_free) == 1, \
-                f"CPU block {block} has {cpu_owners[block]} owners and is {'' if block in cpu_free else 'not '}free"
+            assert cpu_owners[block] + (block in cpu_free) == 1, (
+                f"CPU block {block} has {cpu_owners[block]} owners and is "
+                f"{'' if block in cpu_free else 'not '}free"
+            )
         free_set, evictable_set = set(self.free_blocks), set(self.evictable)
         assert len(free_set) == len(self.free_blocks), "a block is twice in the free list"
         assert not free_set & evictable_set, "a block is both free and evictable"
@@ -341,14 +346,18 @@ class BlockManager:
             assert record.ref_count == owners[block], \
                 f"block {block}: ref count {record.ref_count} but {owners[block]} owners"
             in_free = block in free_set or block in evictable_set
-            assert in_free != bool(owners[block]), \
-                f"block {block} is {'owned and free' if in_free else 'neither free nor owned (leaked)'}"
+            assert in_free != bool(owners[block]), (
+                f"block {block} is "
+                f"{'owned and free' if in_free else 'neither free nor owned (leaked)'}"
+            )
             if block in evictable_set:
                 assert record.hash is not None, f"evictable block {block} has no hash"
             if block in free_set:
                 assert record.hash is None, f"free block {block} still has a hash"
             if record.hash is not None:
-                assert self.hash_to_block.get(record.hash) == block, f"block {block}'s hash points elsewhere"
+                assert self.hash_to_block.get(record.hash) == block, (
+                    f"block {block}'s hash points elsewhere"
+                )
         assert len(self.hash_to_block) == sum(r.hash is not None for r in self.blocks)
         if self.tier is not None:
             self.tier.check_invariants()
@@ -360,9 +369,12 @@ class MiniBlockManager(BlockManager):
 
     def allocate(self, seq: Sequence, num_tokens: int, cached_blocks: list[int] = (),
                  watermark: bool = False, restored: list[int] = ()) -> bool:
-        assert not cached_blocks or not seq.block_table, "cached blocks start a sequence without blocks"
+        assert not cached_blocks or not seq.block_table, (
+            "cached blocks start a sequence without blocks"
+        )
         need = cdiv(num_tokens, self.block_size) - len(seq.block_table) - len(cached_blocks)
-        revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)  # they leave the free count too
+        # they leave the free count too
+        revived = sum(self.blocks[b].ref_count == 0 for b in cached_blocks)
         free_after = self.num_free_blocks - revived - max(0, need)
         if free_after < (self.watermark_blocks if watermark else 0):
             return False
@@ -428,10 +440,12 @@ class MiniBlockManager(BlockManager):
             parent_hash, parent = links[-1] if links else (None, None)
             h = self.chain_hash(parent_hash, chunk)
             existing = self.hash_to_block.get(h)
-            if existing is not None:  # same prefix computed elsewhere (our own hit, too), or a hash collision
+            # same prefix computed elsewhere (our own hit, too), or a hash collision
+            if existing is not None:
                 same = self.blocks[existing].matches(chunk, parent)
                 links.append((h, (existing, self.blocks[existing].generation) if same else None))
-            elif i > 0 and parent is None:  # the chain above is unregistered: nothing can reach this block
+            # the chain above is unregistered: nothing can reach this block
+            elif i > 0 and parent is None:
                 links.append((h, None))
             else:
                 record = self.blocks[seq.block_table[i]]

@@ -40,7 +40,8 @@ class IncrementalDetokenizer:
 
 
 class MiniIncrementalDetokenizer(IncrementalDetokenizer):
-    """minivllm's own (the engine's default ``detokenizer``): re-decode a short window, emit what is complete."""
+    """minivllm's own (the engine's default ``detokenizer``): re-decode a short window, emit what is
+    complete."""
 
     def add(self, token_ids: list[int]) -> str:
         delta = ""

@@ -148,9 +148,12 @@ class ModelRunner:
         mark("sample")
         return result
 
-    def apply_grammars(self, logits: torch.Tensor, chunks: list[ScheduledChunk], mark=_noop_mark) -> bool:
-        """Mask, in place, the logits of every row whose sample has a grammar (chapter 19); False if none has.
-        The time it takes is the step's "grammar" phase (the logits before it stay in "sample", as without one).
+    def apply_grammars(
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], mark=_noop_mark
+    ) -> bool:
+        """Mask, in place, the logits of every row whose sample has a grammar (chapter 19); False if
+        none has. The time it takes is the step's "grammar" phase (the logits before it stay in
+        "sample", as without one).
 
         A plain row gets its matcher's bitmask. A drafted row (chapter 17) has
         ``1 + d`` rows: row ``i`` follows draft ``i - 1``, so the matcher is

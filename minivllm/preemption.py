@@ -32,7 +32,9 @@ def preemption_accounting(cached_tokens: int, block_size: int, kv_bytes_per_toke
     2
     """
     if cached_tokens < 0 or block_size < 1 or kv_bytes_per_token < 1 or not cpu_bandwidth_gbps > 0:
-        raise ValueError("cached_tokens must be >= 0, block_size and kv_bytes_per_token >= 1, bandwidth > 0")
+        raise ValueError(
+            "cached_tokens must be >= 0, block_size and kv_bytes_per_token >= 1, bandwidth > 0"
+        )
     swap_bytes = cached_tokens * kv_bytes_per_token
     return PreemptionCost(
         released_blocks=cdiv(cached_tokens, block_size),

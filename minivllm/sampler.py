@@ -45,8 +45,11 @@ class SamplerOutput:
     num_accepted: list[int] = field(default_factory=list)  # per row, drafts kept before its token (chapter 17)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (to -inf) what top-k and top-p remove, row by row; ``top_k <= 0`` and ``top_p == 1`` keep all."""
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Mask (to -inf) what top-k and top-p remove, row by row; ``top_k <= 0`` and ``top_p == 1``
+    keep all."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     vocab = logits.shape[-1]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
@@ -157,16 +160,25 @@ class MiniGrammarMasker(GrammarMasker):
         mask_logits(logits, bitmask, index)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-           default_generator: torch.Generator | None = None) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    default_generator: torch.Generator | None = None,
+) -> list[int]:
     """One token per row of ``logits [N, vocab]``."""
-    out = logits.max(dim=-1).indices  # the argmax (first index on ties), about twice as fast as argmax on a CPU
+    # the argmax (first index on ties), about twice as fast as argmax on a CPU
+    out = logits.max(dim=-1).indices
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
         idx = torch.tensor(rows, device=logits.device)
-        temp = torch.tensor([params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype)
+        temp = torch.tensor(
+            [params[i].temperature for i in rows], device=logits.device, dtype=logits.dtype
+        )
         top_k = torch.tensor([params[i].top_k for i in rows], device=logits.device)
-        top_p = torch.tensor([params[i].top_p for i in rows], device=logits.device, dtype=logits.dtype)
+        top_p = torch.tensor(
+            [params[i].top_p for i in rows], device=logits.device, dtype=logits.dtype
+        )
         probs = apply_top_k_top_p(logits[idx] / temp[:, None], top_k, top_p).softmax(dim=-1)
         for j, i in enumerate(rows):
             g = generators[i] or default_generator
@@ -245,7 +257,8 @@ class Sampler:
 
 
 class MiniSampler(Sampler):
-    """minivllm's own sampler (the engine's default ``sampler``): :func:`sample`, a batch at a time."""
+    """minivllm's own sampler (the engine's default ``sampler``): :func:`sample`, a batch at a
+    time."""
 
     def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> SamplerOutput:

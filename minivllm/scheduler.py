@@ -343,7 +343,8 @@ class Scheduler:
 
     # -- preemption (chapter 10) ---------------------------------------------------------------
     def reserve_blocks(self, seq: Sequence, num_tokens: int, out: SchedulerOutput) -> bool:
-        """Grow ``seq``'s blocks to ``num_tokens``, preempting lower ranks; False if ``seq`` had to yield."""
+        """Grow ``seq``'s blocks to ``num_tokens``, preempting lower ranks; False if ``seq`` had to
+        yield."""
         while not self.block_manager.allocate(seq, num_tokens):
             victim = self.choose_victim(seq)
             self.preempt(victim or seq, out)
@@ -482,8 +483,11 @@ class MiniScheduler(Scheduler):
                 continue
             n = self.num_new_tokens(seq, seq.cached_token_count, out)
             drafts = self.propose(seq, n, out, len(order) - i - 1) if self.spec else []
-            if drafts and self.block_manager.allocate(seq, seq.cached_token_count + n + len(drafts)):
-                out.add(self.chunk(seq, n, drafts))  # the drafts' slots were free: nobody is preempted for them
+            if drafts and self.block_manager.allocate(
+                seq, seq.cached_token_count + n + len(drafts)
+            ):
+                # the drafts' slots were free: nobody is preempted for them
+                out.add(self.chunk(seq, n, drafts))
             elif n and self.reserve_blocks(seq, seq.cached_token_count + n, out):
                 out.add(self.chunk(seq, n))
 
@@ -495,9 +499,12 @@ class MiniScheduler(Scheduler):
             restored = bm.lookup_offloaded(seq, len(hits)) if self.config.kv_offload_blocks else []
             cached = (len(hits) + len(restored)) * bm.block_size
             n = self.num_new_tokens(seq, cached, out)
-            # The watermark keeps headroom for running sequences (new ones only; none running, nothing to keep).
+            # The watermark keeps headroom for running sequences (new ones only; none running,
+            # nothing to keep).
             watermark = seq.metrics.first_scheduled_time is None and bool(self.running)
-            if not n or not bm.allocate(seq, cached + n, hits, watermark, *([restored] if restored else [])):
+            if not n or not bm.allocate(
+                seq, cached + n, hits, watermark, *([restored] if restored else [])
+            ):
                 break  # first come, first served: nobody overtakes a request that does not fit
             if restored:  # its KV arrives by this step's restore copies (chapter 14)
                 out.copied_into.append(seq)

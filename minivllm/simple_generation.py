@@ -74,7 +74,9 @@ def _greedy(model, hidden: torch.Tensor) -> int:
 
 
 @torch.inference_mode()
-def generate_naive(model, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None) -> GenerationResult:
+def generate_naive(
+    model, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None
+) -> GenerationResult:
     """Greedy generation that recomputes the whole sequence at every step (no KV cache, chapter 01).
 
     Step ``i`` runs ``len(prompt) + i`` tokens through the model to get one new
@@ -103,7 +105,9 @@ def generate_naive(model, prompt_ids, max_new_tokens: int, eos_token_id: int | N
 
 
 @torch.inference_mode()
-def prefill_chunked(model, ids, chunk_size: int, cache: ContiguousKVCache, start: int | None = None) -> torch.Tensor:
+def prefill_chunked(
+    model, ids, chunk_size: int, cache: ContiguousKVCache, start: int | None = None
+) -> torch.Tensor:
     """Run ``ids`` through the model ``chunk_size`` tokens at a time into ``cache`` (chapter 02).
 
     The tokens sit at positions ``start + i`` (by default right after what the
@@ -124,8 +128,14 @@ def prefill_chunked(model, ids, chunk_size: int, cache: ContiguousKVCache, start
 
 
 @torch.inference_mode()
-def generate_cached(model, prompt_ids, max_new_tokens: int, eos_token_id: int | None = None,
-                    prefill_chunk_size: int | None = None, cache_cls=ContiguousKVCache) -> GenerationResult:
+def generate_cached(
+    model,
+    prompt_ids,
+    max_new_tokens: int,
+    eos_token_id: int | None = None,
+    prefill_chunk_size: int | None = None,
+    cache_cls=ContiguousKVCache,
+) -> GenerationResult:
     """Greedy generation with a contiguous KV cache (chapter 01; chunked prefill, chapter 02).
 
     Prefill runs the prompt once (whole, or ``prefill_chunk_size`` tokens at a

@@ -127,7 +127,8 @@ class MiniSpecAcceptor(SpecAcceptor):
         for i, token in enumerate(tokens):
             if append(token):
                 return
-            if i < len(tokens) - 1:  # an accepted draft: its KV is now the sequence's, its full block cacheable
+            # an accepted draft: its KV is now the sequence's, its full block cacheable
+            if i < len(tokens) - 1:
                 seq.cached_token_count += 1
                 self.block_manager.register_computed_blocks(seq)
         self.rollback(seq, seq.cached_token_count)

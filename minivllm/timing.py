@@ -16,7 +16,8 @@ __all__ = ["now", "median_time", "Timer", "PhaseClock"]
 
 
 def now(device=None) -> float:
-    """``time.perf_counter()`` after the GPU has finished its queued work (when ``device`` is CUDA)."""
+    """``time.perf_counter()`` after the GPU has finished its queued work (when ``device`` is
+    CUDA)."""
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()

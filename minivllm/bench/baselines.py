@@ -79,7 +79,8 @@ class StaticBatchOutput:
 @torch.inference_mode()
 def static_batch_generate(model, prompts_ids: list[list[int]], max_tokens_list: list[int],
                           batch_size: int, on_step=None) -> StaticBatchOutput:
-    """Greedy generation in static batches, the way ``generate`` on padded batches works (chapter 06).
+    """Greedy generation in static batches, the way ``generate`` on padded batches works (chapter
+    06).
 
     Requests are cut into batches of ``batch_size`` in order. A batch is
     left-padded to its longest prompt, prefilled in one forward, then decoded
@@ -87,11 +88,14 @@ def static_batch_generate(model, prompts_ids: list[list[int]], max_tokens_list: 
     finishes early keeps its row (computing tokens nobody reads), and no
     waiting request may take it. Runs minivllm's own model, so against the
     engine the only difference is the batching policy. EOS is ignored: each
-    request gets exactly its ``max_tokens``. ``on_step(tokens, finished)``, if given, is called after each step
-    with the requested tokens it produced and the requests it finished (progress).
+    request gets exactly its ``max_tokens``. ``on_step(tokens, finished)``, if given, is called
+    after each step with the requested tokens it produced and the requests it finished (progress).
     """
     if len(prompts_ids) != len(max_tokens_list):
-        raise ValueError(f"max_tokens_list needs one entry per prompt ({len(prompts_ids)}), got {len(max_tokens_list)}")
+        raise ValueError(
+            f"max_tokens_list needs one entry per prompt ({len(prompts_ids)}), got "
+            f"{len(max_tokens_list)}"
+        )
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = model.lm_head.weight.device
@@ -103,7 +107,9 @@ def static_batch_generate(model, prompts_ids: list[list[int]], max_tokens_list: 
         pad = [P - len(p) for p in prompts]
         cache = PaddedBatchKVCache(model, pad, P + steps)
         ids = torch.tensor([[0] * n + p for n, p in zip(pad, prompts)], device=device)  # [B, P]
-        pos = (torch.arange(P, device=device)[None, :] - torch.tensor(pad, device=device)[:, None]).clamp(min=0)
+        pos = (
+            torch.arange(P, device=device)[None, :] - torch.tensor(pad, device=device)[:, None]
+        ).clamp(min=0)
         hidden = model.forward(ids.flatten(), pos.flatten(), cache).view(B, P, -1)
         out = [[] for _ in range(B)]
         times = [[] for _ in range(B)]

@@ -47,7 +47,8 @@ class TensorParallelRunner(ModelRunner):
         super().copy_blocks(out)
 
     def forward_inputs(self, inputs: StepInputs, mark=_noop_mark) -> torch.Tensor | None:
-        """Broadcast the inputs, run rank 0's shard with the workers; full logits (gathered) of the sampled rows."""
+        """Broadcast the inputs, run rank 0's shard with the workers; full logits (gathered) of the
+        sampled rows."""
         def step():
             self.workers.send(protocol.StepMessage(protocol.STEP, inputs))
             return ModelRunner.forward_inputs(self, inputs, mark)

@@ -336,9 +336,16 @@ def serve(config: EngineConfig, tp: TensorParallelGroup, control, device: torch.
                              resolve_function(config.shard_weight, "shard_weight"), config.kernels)
     sizes = torch.empty(2, dtype=torch.long)
     dist.broadcast(sizes, src=0, group=control)
-    runner = ModelRunner(model, int(sizes[0]), config.block_size, int(sizes[1]), resolve(config.attention_backend))
+    runner = ModelRunner(
+        model, int(sizes[0]), config.block_size, int(sizes[1]), resolve(config.attention_backend)
+    )
     report = memory_report(runner)
-    dist.gather(torch.tensor([report["sharded"], report["replicated"], report["kv"]]), None, dst=0, group=control)
+    dist.gather(
+        torch.tensor([report["sharded"], report["replicated"], report["kv"]]),
+        None,
+        dst=0,
+        group=control,
+    )
     while True:
         msg = protocol.receive(control)
         if msg.op == protocol.SHUTDOWN:

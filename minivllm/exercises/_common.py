@@ -13,10 +13,18 @@ from __future__ import annotations
 
 import inspect
 import numbers
+import textwrap
 
 import torch
 
 from minivllm.config import NOT_WRITTEN, is_stub  # a stub raises NotImplementedError("not written yet: ...")
+
+WIDTH = 100  # characters: what the book's column shows (tests/test_page_width.py)
+
+
+def say(message: str) -> None:
+    """Print a check's message in lines of at most WIDTH characters, the continuation lines indented."""
+    print(textwrap.fill(message, WIDTH, subsequent_indent="    ", break_long_words=False))
 
 
 def _as_id_list(value, what: str) -> list[int]:

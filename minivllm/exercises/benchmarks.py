@@ -14,6 +14,7 @@ import random
 from minivllm.bench import e2e, goodput, itl, make_workload, replay, tpot, ttft
 from minivllm.bench.workloads import Arrival
 from minivllm.engine import LLM
+from minivllm.exercises._common import say
 from minivllm.exercises.live import greedy
 from minivllm.models import load_tokenizer
 from minivllm.sequence import RequestMetrics
@@ -205,11 +206,11 @@ def check_request_latencies(fn, live: bool = True) -> None:
     cases = _latency_cases()
     for m in cases:
         _compare(fn, m, _describe(m))
-    print(f"check_request_latencies: all {len(cases)} requests match minivllm.bench (vLLM's definitions).")
+    say(f"check_request_latencies: all {len(cases)} requests match minivllm.bench (vLLM's definitions).")
     if not live:
         return
     compared = _check_live_latencies(fn)
-    print(f"check_request_latencies: the live engine's online run ({len(online_run()['trace'].metrics)} requests, "
+    say(f"check_request_latencies: the live engine's online run ({len(online_run()['trace'].metrics)} requests, "
           f"{compared} snapshots while waiting, running and finished) matches minivllm.bench too.")
 
 
@@ -311,7 +312,7 @@ def check_goodput(fn, live: bool = True) -> None:
                 f"arrival {r.arrival_time:g}, tokens at {r.token_times}"
                 + ("" if r.finish_time is not None else ", not finished") for r in requests) + ")"
         _check_goodput_case(fn, requests, duration, ttft_limit, tpot_limit, what)
-    print(f"check_goodput: all {len(cases)} cases match minivllm.bench.goodput.")
+    say(f"check_goodput: all {len(cases)} cases match minivllm.bench.goodput.")
     if not live:
         return
     trace = online_run()["trace"]
@@ -323,4 +324,4 @@ def check_goodput(fn, live: bool = True) -> None:
         _check_goodput_case(fn, requests, trace.seconds, ttft_limit, tpot_limit,
                             f"the live engine's online run ({len(requests)} requests in {trace.seconds:.2f} s), "
                             f"ttft_limit={ttft_limit}, tpot_limit={tpot_limit} (each a request's own value)")
-    print("check_goodput: the live engine's online run, limits exactly at a request's TTFT and TPOT, matches too.")
+    say("check_goodput: the live engine's online run, limits exactly at a request's TTFT and TPOT, matches too.")

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from minivllm.block_manager import MiniBlockManager, slots
-from minivllm.exercises._common import _as_id_list, own_part
+from minivllm.exercises._common import _as_id_list, own_part, say
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
@@ -62,7 +62,7 @@ def _check_slots(slot_fn) -> None:
 def check_slot_mapping(fn) -> None:
     """Check ``fn(block_table, start, end, block_size) -> list[int]``: KV slots of tokens ``[start, end)`` (chapter 04)."""
     _check_slots(fn)
-    print(f"check_slot_mapping: all {len(_SLOT_CASES)} cases match the block manager's slot mapping.")
+    say(f"check_slot_mapping: all {len(_SLOT_CASES)} cases match the block manager's slot mapping.")
 
 
 def _expect(ok: bool, what: str, hint: str) -> None:
@@ -239,7 +239,7 @@ def check_block_manager(cls, live: bool = True) -> None:
     _check_free(cls)
     _check_restored(cls)
     _check_slots(lambda table, start, end, bs: cls(max(table) + 1, bs).slot_mapping(_with_table(table, end), start, end))
-    print("check_block_manager: growth, all or nothing, sharing, cached blocks, the watermark, free, restored blocks "
+    say("check_block_manager: growth, all or nothing, sharing, cached blocks, the watermark, free, restored blocks "
           "and the slot mapping are right.")
     if not live:
         return

@@ -4,7 +4,7 @@ size of every chunk, on targeted schedules and then inside the live engine, sche
 
 from __future__ import annotations
 
-from minivllm.exercises._common import own_part
+from minivllm.exercises._common import own_part, say
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
@@ -183,7 +183,7 @@ def check_chunked_prefill(cls, live: bool = True) -> None:
     cls = own_part(cls, METHODS, MiniScheduler)
     for case in _CASES:
         case(cls)
-    print("check_chunked_prefill: the chunk size, the budget left, PREFILLING first, cached prefixes, and the cuts "
+    say("check_chunked_prefill: the chunk size, the budget left, PREFILLING first, cached prefixes, and the cuts "
           "without chunking are right.")
     if not live:
         return

@@ -12,6 +12,7 @@ import math
 import torch
 
 from minivllm.attention import ContiguousKVCache, dense_causal
+from minivllm.exercises._common import say
 from minivllm.exercises.live import chat_prompts
 from minivllm.models import load_model
 from minivllm.simple_generation import generate_cached
@@ -189,7 +190,7 @@ def _check_live(fn) -> None:
         raise AssertionError(f"SmolLM2 with your chunked_causal as its attention, prefill chunks of {LIVE_CHUNK}: "
                              f"token {j} differs from a whole prefill: expected {whole[j]} "
                              f"{tok.decode([whole[j]])!r}, got {mine[j]} {tok.decode([mine[j]])!r}")
-    print(f"check_chunked_causal: SmolLM2 with your chunked_causal in all 30 layers, a {len(prompt)}-token prompt "
+    say(f"check_chunked_causal: SmolLM2 with your chunked_causal in all 30 layers, a {len(prompt)}-token prompt "
           f"prefilled in chunks of {LIVE_CHUNK}, generates the {LIVE_TOKENS} tokens of a whole prefill.")
 
 
@@ -206,7 +207,7 @@ def check_chunked_causal(fn, live: bool = True) -> None:
     prefill.
     """
     errors = [_check_case(fn, shape, chunk, seed) for shape, chunk, seed in _CASES]
-    print(f"check_chunked_causal: all {len(_CASES)} cases match dense_causal (the source notes' case within "
+    say(f"check_chunked_causal: all {len(_CASES)} cases match dense_causal (the source notes' case within "
           f"{errors[0]:.1e}) with the exact trace.")
     if live:
         _check_live(fn)

@@ -5,7 +5,7 @@ subclass, on targeted steps and then inside the live engine, schedule for schedu
 
 from __future__ import annotations
 
-from minivllm.exercises._common import own_part
+from minivllm.exercises._common import own_part, say
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
@@ -115,7 +115,7 @@ def check_scheduler(cls, live: bool = True) -> None:
     cls = own_part(cls, METHODS, MiniScheduler)
     for case in (_token_budget, _seat_budget, _first_come_first_served, _block_budget, _prefix_hits, _decodes_first):
         case(cls)
-    print("check_scheduler: decodes first, first come first served, the sequence, token and block budgets and "
+    say("check_scheduler: decodes first, first come first served, the sequence, token and block budgets and "
           "prefix-cache hits are right.")
     if not live:
         return

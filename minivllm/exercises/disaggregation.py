@@ -19,7 +19,7 @@ from minivllm.disaggregation.front import ROLES
 from minivllm.disaggregation.link import ACK_EMPTY, ACK_OWNED, DECODE, PREFILL, KVLink, LinkError, presence_store
 from minivllm.distributed.rendezvous import Signer, loopback_store
 from minivllm.engine import LLM
-from minivllm.exercises._common import require_written
+from minivllm.exercises._common import require_written, say
 from minivllm.exercises.live import _reference, chat_prompts, greedy, spawnable
 from minivllm.kv_transfer import FINGERPRINT_FIELDS
 from minivllm.models import load_tokenizer
@@ -324,12 +324,12 @@ def check_kv_handoff(cls, live: bool = True) -> None:
     outcomes = _check_transfer(handoff)
     fields = _check_refusals(handoff)
     _check_handshake(handoff)
-    print(f"check_kv_handoff: the blocks are held until the ack and freed once on each of {outcomes} outcomes (ack, "
+    say(f"check_kv_handoff: the blocks are held until the ack and freed once on each of {outcomes} outcomes (ack, "
           f"empty ack, timeout, dead peer), a failed transfer fails its request, and {fields} fingerprint pairs are "
           "accepted or refused by the field that differs (also through the signed handshake).")
     if not live:
         return
     done = _check_live(cls)
-    print(f"check_kv_handoff: the live disaggregated engine with your handoff ({done}) gave one engine's greedy "
+    say(f"check_kv_handoff: the live disaggregated engine with your handoff ({done}) gave one engine's greedy "
           "tokens, failed the timed-out request with its blocks freed, and left no block held or used in either "
           "worker.")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm.exercises._common import say
 from minivllm.exercises.live import PARTS_DIR, chat_prompts, check_live, greedy
 from minivllm.kernels import build, reference
 from minivllm.kernels.cpu import CpuKernels
@@ -69,7 +70,7 @@ def build_kernels(path: Path | str = PART, quiet: bool = False) -> CpuKernels:
     except build.BuildError as e:
         raise AssertionError(f"{path} does not compile: {e}") from None
     if not quiet:
-        print(f"{path} with minivllm's ops.cpp: built in {time.perf_counter() - start:.1f} s (an unchanged "
+        say(f"{path} with minivllm's ops.cpp: built in {time.perf_counter() - start:.1f} s (an unchanged "
               "file comes from the cache)")
     return CpuKernels(lib, YOURS)
 
@@ -454,12 +455,12 @@ def check_kernels(kernels=PART, live: bool = True) -> None:
         raise NotImplementedError(f"not written yet: {', '.join(left)}")
     attention = _check_attention(table)
     q4_1 = _check_q4_1(table)
-    print(f"check_kernels: {attention} paged-attention cases (the rescale, each row to its own position, the block "
+    say(f"check_kernels: {attention} paged-attention cases (the rescale, each row to its own position, the block "
           f"table, grouped-query heads, a chunk's causal rows, large scores, random steps) and {q4_1} Q4_1 cases "
           f"(scale, min, nibble order, rows) match the reference (targeted cases, "
           f"{time.perf_counter() - start:.1f} s).")
     if not live:
         return
     _check_live(table)
-    print("check_kernels: your kernels ran SmolLM2 in the live engine with and without the GGUF's blocks, with "
+    say("check_kernels: your kernels ran SmolLM2 in the live engine with and without the GGUF's blocks, with "
           "exactly minivllm's tokens.")

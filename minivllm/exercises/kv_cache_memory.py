@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.config import cdiv
-from minivllm.exercises._common import _is_integer
+from minivllm.exercises._common import _is_integer, say
 
 __all__ = ["check_kv_bytes_per_token", "check_paged_waste"]
 
@@ -47,7 +47,7 @@ def check_kv_bytes_per_token(fn, live: bool = True) -> None:
                  expected // kvh: "one KV head's worth: multiply by num_kv_heads"}
         hint = hints.get(got, "it is 2 (K and V) x layers x KV heads x head dim x bytes per element")
         raise AssertionError(f"{what}: expected {expected:,} bytes, got {got:,}; {hint}")
-    print(f"check_kv_bytes_per_token: all {len(_KV_CONFIGS)} model configs give the right bytes per token.")
+    say(f"check_kv_bytes_per_token: all {len(_KV_CONFIGS)} model configs give the right bytes per token.")
 
 
 _WASTE_CASES = [  # (lengths, block_size)
@@ -78,4 +78,4 @@ def check_paged_waste(fn, live: bool = True) -> None:
             elif int(got) < 0 or int(got) == sum((n // bs) * bs - n for n in lengths):
                 hint = "; round the block count UP: a partial block is still a whole block"
             raise AssertionError(f"{what}: expected {expected} empty slots (per sequence {per_seq}), got {got}{hint}")
-    print(f"check_paged_waste: all {len(_WASTE_CASES)} workloads give the right number of empty slots.")
+    say(f"check_paged_waste: all {len(_WASTE_CASES)} workloads give the right number of empty slots.")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 from minivllm.engine import LLM
-from minivllm.exercises._common import own_part
+from minivllm.exercises._common import own_part, say
 from minivllm.exercises.live import _reference, chat_prompts, drive, greedy
 from minivllm.kv_tier import MiniOffloadTier, TierEntry
 from minivllm.models import load_tokenizer
@@ -266,7 +266,7 @@ def check_offload_tier(cls, live: bool = True) -> None:
     _check_put(cls)
     _check_restore_and_unpin(cls)
     _check_sequence(cls)
-    print("check_offload_tier: the exact prefix check, LRU eviction, pins, collisions and the counters are right "
+    say("check_offload_tier: the exact prefix check, LRU eviction, pins, collisions and the counters are right "
           "(targeted cases and 300 random operations).")
     if not live:
         return
@@ -277,6 +277,6 @@ def check_offload_tier(cls, live: bool = True) -> None:
     base = dict(block_size=16, num_blocks=40, enable_prefix_caching=True, max_num_seqs=4, dtype="float32")
     for tier_blocks in (128, 6):
         counts = _check_live(cls, {**base, "kv_offload_blocks": tier_blocks}, requests)
-        print(f"check_offload_tier: the live engine (smollm2-135m, {len(requests)} requests, a tier of "
+        say(f"check_offload_tier: the live engine (smollm2-135m, {len(requests)} requests, a tier of "
               f"{tier_blocks} blocks: {counts}) gave exactly the tokens of the engine without a tier, with minivllm's "
               "counters; the block invariants held after every step.")

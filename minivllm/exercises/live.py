@@ -20,7 +20,7 @@ import random
 from pathlib import Path
 
 from minivllm.engine import LLM
-from minivllm.exercises._common import complete
+from minivllm.exercises._common import complete, say
 from minivllm.sampling_params import SamplingParams
 
 __all__ = ["PARTS_DIR", "load_part", "SpawnablePart", "spawnable", "chat_prompts", "greedy", "drive", "check_live"]
@@ -215,7 +215,7 @@ def check_live(what: str, requests, model: str = "smollm2-135m", parts: dict | N
     text_difference = _first_text_difference(texts, expected_texts) if same_text else None
     if text_difference:
         raise AssertionError(f"{what}: {text_difference}")
-    print(f"{what}: the live engine ({model}, {len(requests)} requests, {steps} steps) gave exactly minivllm's "
+    say(f"{what}: the live engine ({model}, {len(requests)} requests, {steps} steps) gave exactly minivllm's "
           f"tokens{' and streamed text' * same_text}; the block invariants held after every step and no block "
           f"leaked.")
     return steps

@@ -13,7 +13,7 @@ import torch
 
 from minivllm.attention import ContiguousKVCache, MiniPagedKVCache, PagedBatch
 from minivllm.block_manager import slots
-from minivllm.exercises._common import own_part
+from minivllm.exercises._common import own_part, say
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
 
@@ -233,7 +233,7 @@ def check_paged_attention(cls, live: bool = True) -> None:
     for case in _CASES:
         _check_step(cls, case)
     _check_padding(cls)
-    print(f"check_paged_attention: all {len(_CASES)} steps match one contiguous cache per sequence, and the new keys "
+    say(f"check_paged_attention: all {len(_CASES)} steps match one contiguous cache per sequence, and the new keys "
           f"and values are in the pool; padding rows of a replayed decode batch (slot -1) write no real slot.")
     if not live:
         return

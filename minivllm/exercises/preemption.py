@@ -6,7 +6,7 @@ with recompute and with swap, schedule for schedule.
 from __future__ import annotations
 
 from minivllm.config import cdiv
-from minivllm.exercises._common import own_part
+from minivllm.exercises._common import own_part, say
 from minivllm.exercises.live import TOPICS, check_live, greedy
 from minivllm.models import load_tokenizer
 from minivllm.preemption import preemption_accounting
@@ -252,7 +252,7 @@ def check_preemption(cls, live: bool = True) -> None:
     _check_victims(cls)
     _check_preempt(cls)
     _check_simulations(cls)
-    print("check_preemption: the victim, recompute, swap, the fallback, the accounting and five squeezed "
+    say("check_preemption: the victim, recompute, swap, the fallback, the accounting and five squeezed "
           "simulations are right.")
     if not live:
         return

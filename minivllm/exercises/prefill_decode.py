@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from minivllm.attention import ContiguousKVCache
-from minivllm.exercises._common import _as_id_list
+from minivllm.exercises._common import _as_id_list, say
 from minivllm.exercises.live import chat_prompts
 from minivllm.models import load_model, model_folder
 from minivllm.simple_generation import generate_cached
@@ -139,7 +139,7 @@ def _check_live(fn, prompts: int = 2) -> None:
             j = next((j for j, (a, b) in enumerate(zip(theirs, mine)) if a != b), min(len(mine), len(theirs)))
             raise AssertionError(f"SmolLM2, chat prompt {k}: your token {j} differs from transformers' greedy "
                                  f"generate: expected {theirs[j:j + 1]}, got {mine[j:j + 1]}")
-    print(f"check_generate_cached: on SmolLM2 your loop gives transformers' greedy tokens, {LIVE_TOKENS} for each "
+    say(f"check_generate_cached: on SmolLM2 your loop gives transformers' greedy tokens, {LIVE_TOKENS} for each "
           f"of {prompts} chat prompts.")
 
 
@@ -156,7 +156,7 @@ def check_generate_cached(fn, model=None, live: bool = True) -> None:
     model = model if model is not None else _tiny_model()
     for prompt, n in _CASES:
         _check_case(fn, model, prompt, n)
-    print(f"check_generate_cached: all {len(_CASES)} prompts give minivllm's tokens, one cache, each token fed once "
+    say(f"check_generate_cached: all {len(_CASES)} prompts give minivllm's tokens, one cache, each token fed once "
           f"at its position.")
     if live:
         _check_live(fn)

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from unittest import mock
 
 from minivllm.block_manager import BlockManager, MiniBlockManager
-from minivllm.exercises._common import own_part
+from minivllm.exercises._common import own_part, say
 from minivllm.exercises.live import check_live, greedy
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
@@ -345,7 +345,7 @@ def check_prefix_cache(cls, live: bool = True) -> None:
     cls = own_part(cls, METHODS, MiniBlockManager)
     for case in _CASES:
         case(cls)
-    print("check_prefix_cache: the chain, registration, hits, the last-token rule, LRU eviction, collisions, "
+    say("check_prefix_cache: the chain, registration, hits, the last-token rule, LRU eviction, collisions, "
           "generations and duplicates are right.")
     if not live:
         return

@@ -11,7 +11,7 @@ import dataclasses
 import torch
 
 from minivllm.detokenizer import MiniIncrementalDetokenizer
-from minivllm.exercises._common import own_part
+from minivllm.exercises._common import own_part, say
 from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.models import load_tokenizer
 from minivllm.sampler import MiniSampler, SamplerOutput, apply_top_k_top_p, sample
@@ -217,7 +217,7 @@ def check_sampler(cls, live: bool = True) -> None:
     logits = torch.randn(len(_MIXED), 50, generator=g) * 2
     _check_exact(cls, "a mixed batch", logits, _MIXED, calls=6)
     _check_seeded_alone(cls, logits)
-    print("check_sampler: top-k, top-p, their order, temperature, greedy rows and seeded generators are right.")
+    say("check_sampler: top-k, top-p, their order, temperature, greedy rows and seeded generators are right.")
     if not live:
         return
     tok = load_tokenizer("smollm2-135m")
@@ -287,7 +287,7 @@ def check_detokenizer(cls, live: bool = True) -> None:
         _check_text(cls, tok, what, prompt, tok(text, add_special_tokens=False)["input_ids"], per_add)
     ids = tok("Done!", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
     _check_text(cls, tok, "an end-of-turn token", prompt, ids, 1)
-    print(f"check_detokenizer: all {len(_TEXTS) + 1} streams match minivllm's deltas, with no broken character.")
+    say(f"check_detokenizer: all {len(_TEXTS) + 1} streams match minivllm's deltas, with no broken character.")
     if not live:
         return
     check_live("your detokenizer", live_requests(tok), parts={"detokenizer": cls}, tokenizer=tok, same_text=True,

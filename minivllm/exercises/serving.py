@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-from minivllm.exercises._common import NOT_WRITTEN, own_part, unwritten
+from minivllm.exercises._common import NOT_WRITTEN, own_part, say, unwritten
 from minivllm.exercises.live import PARTS_DIR, load_part
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -552,13 +552,13 @@ def check_engine_loop(cls, live: bool = True) -> None:
     cls = own_part(cls, METHODS, MiniEngineLoop)
     for case in _CASES:
         case(cls)
-    print("check_engine_loop: idle without a step, the inbox in order before the step, every output to its own "
+    say("check_engine_loop: idle without a step, the inbox in order before the step, every output to its own "
           "stream and the finished ones closed, aborts through self.abort, a refused add ending alone (targeted "
           "turns), the rest of the inbox taken after it, and no request lost while the inbox is taken.")
     if not live:
         return
     summary = _check_live(cls)
-    print(f"check_engine_loop: the live server with your loop: {summary}.")
+    say(f"check_engine_loop: the live server with your loop: {summary}.")
 
 
 # -- the second capstone: your engine, served through your loop ---------------------------------------------------
@@ -582,7 +582,7 @@ def your_loop(parts_dir: Path = PARTS_DIR) -> type:
         except AssertionError as e:
             problem = f"fails: {str(e).splitlines()[0][:160]}"
     what = "the server's engine loop (AsyncLLM)"
-    print(f"13 {what:40} " + ("yours" if problem is None else f"minivllm's: yours is {problem}"))
+    say(f"13 {what:40} " + ("yours" if problem is None else f"minivllm's: yours is {problem}"))
     return cls if problem is None else MiniEngineLoop
 
 

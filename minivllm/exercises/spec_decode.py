@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from minivllm.config import cdiv
 from minivllm.engine import LLM
-from minivllm.exercises._common import own_part
+from minivllm.exercises._common import own_part, say
 from minivllm.exercises.live import _reference, chat_prompts, drive
 from minivllm.models import load_tokenizer
 from minivllm.sampling_params import SamplingParams
@@ -306,7 +306,7 @@ def check_spec_acceptor(cls, live: bool = True) -> None:
     _check_accept(acceptor)
     _check_commit(cls)
     _check_cut_at_stop(acceptor)
-    print("check_spec_acceptor: the first mismatch, the bonus token, the rollback of rejected slots, the prefix "
+    say("check_spec_acceptor: the first mismatch, the bonus token, the rollback of rejected slots, the prefix "
           "cache, max_tokens and stops inside the run are right (targeted cases).")
     if not live:
         return
@@ -316,5 +316,5 @@ def check_spec_acceptor(cls, live: bool = True) -> None:
                    dtype="float32")
     requests = _live_requests(tok)
     counts = _check_live(cls, requests, options)
-    print(f"check_spec_acceptor: the live engine (smollm2-135m, {len(requests)} requests: {counts}) gave exactly "
+    say(f"check_spec_acceptor: the live engine (smollm2-135m, {len(requests)} requests: {counts}) gave exactly "
           "the tokens of plain decoding; the block invariants held after every step and no block leaked.")

@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig
 
 from minivllm.engine import LLM
+from minivllm.exercises._common import say
 from minivllm.exercises.live import _reference, drive, greedy, spawnable
 from minivllm.models import TensorParallelGroup
 from minivllm.models.llama import LlamaForCausalLM
@@ -130,7 +131,7 @@ def check_shard_weight(fn, model: str = "tiny-random-8h", world: int = 2, live: 
     single-process engine's greedy tokens.
     """
     cases = _check_targeted(fn)
-    print(f"check_shard_weight: column-parallel, row-parallel, replicated and vocabulary-parallel shards are right "
+    say(f"check_shard_weight: column-parallel, row-parallel, replicated and vocabulary-parallel shards are right "
           f"({cases} tensors of a 9-query-head, 3-KV-head layer, every rank of 1 and 3 ranks).")
     if not live:
         return
@@ -138,5 +139,5 @@ def check_shard_weight(fn, model: str = "tiny-random-8h", world: int = 2, live: 
     requests = [(str(i), p, greedy(6)) for i, p in enumerate(prompts)]
     options = dict(device="cpu", dtype="float32", num_blocks=32, block_size=8, max_num_seqs=4)
     done = _check_live(fn, model, world, requests, options)
-    print(f"check_shard_weight: the live engine ({model}, tensor_parallel_size={world} over gloo, {done}) with your "
+    say(f"check_shard_weight: the live engine ({model}, tensor_parallel_size={world} over gloo, {done}) with your "
           f"shards gave exactly the single-process engine's greedy tokens.")

@@ -12,7 +12,7 @@ import torch
 from minivllm.attention import MiniPagedKVCache
 from minivllm.cuda_graphs import MiniDecodeGraphRunner, bucket_for
 from minivllm.engine import LLM
-from minivllm.exercises._common import own_part
+from minivllm.exercises._common import own_part, say
 from minivllm.exercises.live import chat_prompts, drive
 from minivllm.model_runner import StepInputs
 from minivllm.models import load_model, load_tokenizer
@@ -218,11 +218,11 @@ def check_graph_runner(cls, live: bool = True) -> None:
     cls = own_part(cls, METHODS, MiniDecodeGraphRunner)
     for what, max_num_seqs, steps in _CASES:
         _check_case(cls, what, max_num_seqs, steps)
-    print(f"check_graph_runner: all {len(_CASES)} padded steps are right: the bucket, the real rows, padding that "
+    say(f"check_graph_runner: all {len(_CASES)} padded steps are right: the bucket, the real rows, padding that "
           "writes only the scratch slot, no stale slot, the buffers in place.")
     if not live:
         return
     tok = load_tokenizer("smollm2-135m")
     summary = _check_live(cls, tok)
-    print(f"check_graph_runner: the live engine (smollm2-135m, {summary}) gave exactly minivllm's tokens; the block "
+    say(f"check_graph_runner: the live engine (smollm2-135m, {summary}) gave exactly minivllm's tokens; the block "
           "invariants held after every step and no block leaked.")

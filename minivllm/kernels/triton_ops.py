@@ -45,9 +45,24 @@ def _write_kv(k, v, k_cache, v_cache, slots, k_stride, v_stride, ROW: tl.constex
 
 
 @triton.jit
-def _paged_attention(out, q, k_cache, v_cache, block_table, seq_lens, query_start, token_seq, q_stride, width,
-                     scale, H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                     TILE_N: tl.constexpr):
+def _paged_attention(
+    out,
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    query_start,
+    token_seq,
+    q_stride,
+    width,
+    scale,
+    H: tl.constexpr,
+    KVH: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+):
     t = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(token_seq + t)

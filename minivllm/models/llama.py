@@ -210,7 +210,9 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
         cos, sin = rotary.cos[positions], rotary.sin[positions]
         return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv, batch=None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv, batch=None
+    ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` for flat tokens ``input_ids[T]`` at ``positions[T]``.
 
         ``kv`` stores this forward's keys and values and says what each query

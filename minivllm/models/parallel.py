@@ -90,7 +90,8 @@ def _split(n: int, tp: TensorParallelGroup, what: str) -> int:
 
 
 class ColumnParallelLinear(Linear):
-    """``W`` split by output features (rows of the weight): a slice of ``Y`` per rank, no communication."""
+    """``W`` split by output features (rows of the weight): a slice of ``Y`` per rank, no
+    communication."""
 
     shard_dims = {"weight": 0, "bias": 0}
 

@@ -222,14 +222,19 @@ class AsyncLLM:
         while not self._stop.is_set():
             try:
                 self._once()
-            except WorkerError as e:  # the engine cannot step any more: fail what is in flight, build it again
+            # the engine cannot step any more: fail what is in flight, build it again
+            except WorkerError as e:
                 log.error("engine failed: %s", e)
-                self._end_all(EngineRestarting(f"engine failed: {e}; it is being restarted, retry shortly"))
+                self._end_all(
+                    EngineRestarting(f"engine failed: {e}; it is being restarted, retry shortly")
+                )
                 self._restart_engine()
-            except Exception as e:  # a bug outside any one request: fail what is in flight, keep serving
+            # a bug outside any one request: fail what is in flight, keep serving
+            except Exception as e:
                 log.exception("engine loop failed; aborting the requests in flight")
                 self._end_all(RequestFailed(f"engine loop failed: {type(e).__name__}: {e}"))
-                self.loop.wake.wait(IDLE_WAIT_S)  # nothing is in flight now: a turn that fails again must not spin
+                # nothing is in flight now: a turn that fails again must not spin
+                self.loop.wake.wait(IDLE_WAIT_S)
                 self.loop.wake.clear()
         self._end_all(ServerShuttingDown("aborted: the server stopped"))
 

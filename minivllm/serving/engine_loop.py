@@ -60,9 +60,9 @@ class EngineLoop:
 
     # -- what a turn is given (the loop thread) --------------------------------------------------------
     def deliver(self, request_id: str, item, last: bool = False) -> None:
-        """Hand ``item`` (an output, or an exception the stream raises) to the request's queue; ``last``: it is the
-        request's final item, so its stream is closed. A stream already closed gets nothing; one whose event loop
-        is gone is closed and its request aborted."""
+        """Hand ``item`` (an output, or an exception the stream raises) to the request's queue;
+        ``last``: it is the request's final item, so its stream is closed. A stream already closed
+        gets nothing; one whose event loop is gone is closed and its request aborted."""
         with self.guard:
             target = self.streams.pop(request_id, None) if last else self.streams.get(request_id)
         if target is None:

@@ -6,17 +6,23 @@ namespace minivllm {
 
 template <int KV>  // key vectors per chunk: the softmax is updated once per KV * kLanes keys
 inline void attend_chunks(const AttentionTile& t) {
-  constexpr int QB = 4;            // query vectors computed together: independent sums the CPU overlaps
+  // query vectors computed together: independent sums the CPU overlaps
+  constexpr int QB = 4;
   constexpr int KC = KV * kLanes;  // keys per chunk
   const int D = t.head_dim, nv = t.rows * t.heads;
-  float m[kMaxTile + QB], l[kMaxTile + QB], rescale[kMaxTile + QB];  // running max, running sum, this chunk's rescale
-  alignas(64) float acc[kMaxTile + QB][kMaxHeadDim];  // each query's weighted sum of values, not yet divided
-  alignas(64) float p[kMaxTile + QB][KC];             // this chunk's exp(score - max), one key per lane
-  alignas(64) float kt[kMaxHeadDim][KC];              // this chunk's keys, transposed: kt[d][j] is key j's d-th
+  // running max, running sum, this chunk's rescale
+  float m[kMaxTile + QB], l[kMaxTile + QB], rescale[kMaxTile + QB];
+  // each query's weighted sum of values, not yet divided
+  alignas(64) float acc[kMaxTile + QB][kMaxHeadDim];
+  // this chunk's exp(score - max), one key per lane
+  alignas(64) float p[kMaxTile + QB][KC];
+  // this chunk's keys, transposed: kt[d][j] is key j's d-th
+  alignas(64) float kt[kMaxHeadDim][KC];
   const float* vrow[KC];
   const float* qrow[kMaxTile + QB];
   int64_t qpos[kMaxTile + QB];
-  for (int i = 0; i < nv + QB; ++i) {  // QB spare vectors: a block of QB never reads past the tile's end
+  // QB spare vectors: a block of QB never reads past the tile's end
+  for (int i = 0; i < nv + QB; ++i) {
     const int r = i < nv ? i / t.heads : t.rows - 1, h = i < nv ? i % t.heads : 0;
     qrow[i] = t.q + r * t.q_row_stride + h * D;
     qpos[i] = i < nv ? t.pos[r] : -1;
@@ -27,11 +33,13 @@ inline void attend_chunks(const AttentionTile& t) {
   ivec lane;
   for (int j = 0; j < kLanes; ++j) lane[j] = j;
   const int64_t last = t.pos[t.rows - 1];
-  for (int64_t t0 = 0; t0 <= last; t0 += KC) {  // KC keys at a time, each found through the block table
+  // KC keys at a time, each found through the block table
+  for (int64_t t0 = 0; t0 <= last; t0 += KC) {
     const int kn = static_cast<int>(last - t0 + 1 < KC ? last - t0 + 1 : KC);
     for (int j = 0; j < KC; ++j) {
       const int64_t key = t0 + (j < kn ? j : 0);  // past the last key: key 0 again, masked below
-      const int64_t slot = static_cast<int64_t>(t.table[key / t.block_size]) * t.block_size + key % t.block_size;
+      const int64_t slot =
+          static_cast<int64_t>(t.table[key / t.block_size]) * t.block_size + key % t.block_size;
       const float* krow = t.k_cache + slot * t.kv_stride;
       vrow[j] = t.v_cache + slot * t.kv_stride;
       for (int d = 0; d < D; ++d) kt[d][j] = krow[d];
@@ -50,7 +58,8 @@ inline void attend_chunks(const AttentionTile& t) {
       }
       for (int b = 0; b < QB; ++b) {  // the online softmax: new maximum, rescale what came before
         const int i = i0 + b;
-        const int64_t seen = qpos[i] - t0 + 1 < kn ? qpos[i] - t0 + 1 : kn;  // keys at or before the row's position
+        // keys at or before the row's position
+        const int64_t seen = qpos[i] - t0 + 1 < kn ? qpos[i] - t0 + 1 : kn;
         fvec scores[KV], top = splat(-INFINITY);
         for (int c = 0; c < KV; ++c) {
           const ivec visible = lane + c * kLanes < static_cast<int>(seen);
@@ -71,7 +80,8 @@ inline void attend_chunks(const AttentionTile& t) {
         m[i] = new_max;
       }
     }
-    for (int i0 = 0; i0 < nv; i0 += QB) {  // values: QB weighted sums at once, each kLanes components at a time
+    // values: QB weighted sums at once, each kLanes components at a time
+    for (int i0 = 0; i0 < nv; i0 += QB) {
       int d = 0;
       for (; d + kLanes <= D; d += kLanes) {
         fvec a[QB];
@@ -98,8 +108,8 @@ inline void attend_chunks(const AttentionTile& t) {
   }
 }
 
-// A few query vectors (a decode row's heads): each key's score is a dot product along the head dimension, no
-// transposed copy of the keys (it would cost more than the arithmetic it feeds).
+// A few query vectors (a decode row's heads): each key's score is a dot product along the head
+// dimension, no transposed copy of the keys (it would cost more than the arithmetic it feeds).
 inline void attend_direct(const AttentionTile& t) {
   const int D = t.head_dim, nv = t.rows * t.heads;
   float m[4], l[4];
@@ -120,7 +130,8 @@ inline void attend_direct(const AttentionTile& t) {
     const int kn = static_cast<int>(last - t0 + 1 < kLanes ? last - t0 + 1 : kLanes);
     for (int j = 0; j < kn; ++j) {
       const int64_t key = t0 + j;
-      const int64_t slot = static_cast<int64_t>(t.table[key / t.block_size]) * t.block_size + key % t.block_size;
+      const int64_t slot =
+          static_cast<int64_t>(t.table[key / t.block_size]) * t.block_size + key % t.block_size;
       const float* krow = t.k_cache + slot * t.kv_stride;
       vrow[j] = t.v_cache + slot * t.kv_stride;
       for (int i = 0; i < nv; ++i) {
@@ -154,9 +165,11 @@ inline void attend_direct(const AttentionTile& t) {
 }
 
 inline void attend_tile(const AttentionTile& t) {
-  if (t.rows * t.heads <= 4 && t.head_dim % kLanes == 0) return attend_direct(t);  // a decode row's heads
+  // a decode row's heads
+  if (t.rows * t.heads <= 4 && t.head_dim % kLanes == 0) return attend_direct(t);
   if (t.rows * t.heads <= 4) return attend_chunks<1>(t);  // short chunks, little to mask
-  attend_chunks<4>(t);  // many queries: each chunk's keys transposed once for all, the softmax updated less often
+  // many queries: each chunk's keys transposed once for all, the softmax updated less often
+  attend_chunks<4>(t);
 }
 
 inline void q4_1_block_dot(const uint8_t* block, const float* x, int64_t x_stride, int rows, fvec* acc) {
