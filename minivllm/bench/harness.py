@@ -308,9 +308,9 @@ class MachineLimits:
     flops_by_tokens: dict = field(default_factory=dict)  # tokens per matmul -> FLOP/s
 
     def __str__(self) -> str:
-        by = ", ".join(f"{t} tokens {f / 1e9:.0f}" for t, f in self.flops_by_tokens.items())
+        by = ", ".join(f"{t}: {f / 1e9:.0f}" for t, f in self.flops_by_tokens.items())
         return (f"matmul {self.flops / 1e9:.0f} GFLOP/s at best, memory {self.bandwidth / 1e9:.1f} GB/s\n"
-                f"  matmul by tokens: {by} GFLOP/s")  # two lines: each within 100 characters
+                f"  matmul GFLOP/s by tokens per matmul: {by}")  # two lines: each within 100 characters
 
 
 def _linears(model):
