@@ -235,6 +235,8 @@ class FakeBatch:
 
 
 def _driver(name):
+    if str(DRIVERS) not in sys.path:  # as when the peer's python runs the driver: its folder first (_progress)
+        sys.path.insert(0, str(DRIVERS))
     spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), DRIVERS / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
