@@ -5,9 +5,8 @@ engine, and torch, then): a command that needs none of them, such as
 ``python -m minivllm.exercises status --no-checks``, starts in a moment.
 """
 
-import importlib
-
 from minivllm import cpu_threads
+from minivllm.lazy import lazy_names
 
 cpu_threads.apply_defaults()  # before torch loads libgomp, which reads its spin count once (chapter 11)
 
@@ -24,20 +23,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """A public name (imported from its module on first use, then kept), or a submodule (``minivllm.engine``)."""
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("__"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)

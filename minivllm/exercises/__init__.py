@@ -14,7 +14,7 @@ module per chapter; this package re-exports every check, so notebooks write
 use: ``python -m minivllm.exercises status --no-checks`` loads none).
 """
 
-import importlib
+from minivllm.lazy import lazy_names
 
 _WHERE = {  # name -> the module of minivllm.exercises that defines it
     "check_goodput": "benchmarks", "check_request_latencies": "benchmarks",
@@ -56,20 +56,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """A check (imported from its chapter's module on first use, then kept), or a submodule."""
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("__"):
-        try:
-            return importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)
