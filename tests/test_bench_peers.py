@@ -12,6 +12,7 @@ import dataclasses
 import os
 import importlib.util
 import json
+from pathlib import Path
 import sys
 
 import numpy as np
@@ -331,3 +332,19 @@ def test_bench_repeats_with_a_server_is_refused_before_any_request(monkeypatch, 
     with pytest.raises(SystemExit):
         main(["bench", "--workload", "online", "--server", "http://127.0.0.1:9", "--repeats", "2"])
     assert "argument --repeats: must be 1 with --server" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_chapter_11s_peer_cell_without_the_peers_prints_lines_within_the_column(empty_peers, device, capsys):
+    """Chapter 11's peer cell takes its skip branch wherever the peers are not installed (a new reader's machine,
+    a GPU runtime): its lines within the book's column too, though the developers' machines have the peers and
+    run the other branch under nbval."""
+    from test_page_width import LIMIT
+
+    book = json.loads((Path(__file__).resolve().parents[1] / "book" / "11_benchmarks.ipynb").read_text())
+    cells = ["".join(c["source"]) for c in book["cells"] if c["cell_type"] == "code"]
+    [cell] = [c for c in cells if "NOTEBOOK_PEERS" in c]
+    exec(cell, {"device": torch.device(device)})
+    out = capsys.readouterr().out
+    assert out.startswith("Skipped: the peers") and "peers setup" in out or device == "cuda", out
+    assert [line for line in out.splitlines() if len(line) > LIMIT] == []
