@@ -4,8 +4,9 @@ A progress line per system on stderr; Ctrl-C ends the command with exit 130
 within seconds, HF's continuous batching included (its plain ``stop()`` would
 finish every queued request first), with the JSON of what finished on disk; a
 peer's driver runs in a process group of its own, stopped whole, its children
-too. The bounds here are generous (a loaded machine): they catch a hang, they
-time nothing.
+too. Each Ctrl-C is sent where the test has seen the work be, into work that
+waits for it, so no test races what it interrupts; the bounds on waits catch a
+hang and time nothing.
 """
 
 import io
@@ -61,7 +62,7 @@ def _children_of(pid: int) -> list[int]:
     return kids
 
 
-def _alive(pid: int, within: float = 5.0) -> bool:
+def _alive(pid: int, within: float = 30.0) -> bool:
     """Is ``pid`` still running ``within`` seconds (a signalled process takes a moment to go)?"""
     end = time.perf_counter() + within
     while _running(pid) and time.perf_counter() < end:
@@ -78,36 +79,53 @@ def _running(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+# ``python -m minivllm bench`` whose HF continuous-batching run holds at its first progress tick until Ctrl-C:
+# the interrupt lands inside that run whatever the machine's speed (a plain run of the workload can end first).
+HELD_BENCH = r'''
+import runpy, sys, time
+from minivllm.bench.progress import Progress
+tick = Progress.tick
+def held(self, *args, **kwargs):  # HF's loop ticks its bar after each wait for a result
+    tick(self, *args, **kwargs)
+    if self.name.startswith("HF generate_batch"):
+        print("held in HF generate_batch", file=sys.stderr, flush=True)
+        while True:  # until Ctrl-C
+            time.sleep(0.05)
+Progress.tick = held
+sys.argv = ["minivllm", *sys.argv[1:]]
+runpy.run_module("minivllm", run_name="__main__", alter_sys=True)
+'''
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 def test_ctrl_c_stops_bench_during_hf_continuous_batching_with_exit_130_and_the_json_so_far(tmp_path):
-    """SIGINT once HF's continuous batching runs: exit 130 soon, saying what finished; the JSON holds minivllm's finished run ("complete": false), no child process is left."""
+    """SIGINT while HF's continuous batching runs: exit 130, saying what finished; the JSON holds minivllm's
+    finished run ("complete": false), no child process is left. The run is held inside HF's loop until the
+    signal (HELD_BENCH), so the test sends it where it has seen the run be, on any machine at any load."""
     report = tmp_path / "r.json"
-    cmd = [sys.executable, "-m", "minivllm", "bench", "--workload", "offline", "--model", "tiny-random",
-           "--num-requests", "32", "--prompt-len", "8", "16", "--output-len", "128", "128", "--compare", "hf-batch",
+    cmd = [sys.executable, "-c", HELD_BENCH, "bench", "--workload", "offline", "--model", "tiny-random",
+           "--num-requests", "4", "--prompt-len", "8", "16", "--output-len", "64", "64", "--compare", "hf-batch",
            "--no-roofline", "--json", str(report)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         seen = []
-        for line in proc.stderr:  # wait until HF's timed run has begun (its first progress line)
+        for line in proc.stderr:  # wait until HF's run holds inside its loop
             seen.append(line)
-            if line.startswith("  HF generate_batch"):
+            if line.startswith("held in HF generate_batch"):
                 break
-        assert any("  minivllm: " in x for x in seen), seen
+        assert any("  minivllm: " in x for x in seen) and seen[-1].startswith("held"), seen
         kids = _children_of(proc.pid)
-        time.sleep(0.3)  # into the run, past the line's own write
-        sent = time.perf_counter()
         proc.send_signal(signal.SIGINT)
         rest = proc.stderr.read()
-        code = proc.wait(timeout=60)
-        took = time.perf_counter() - sent
+        code = proc.wait(timeout=300)  # a bound on a hang, not a timing
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     assert code == 130, rest
-    assert took < 10, f"exit took {took:.1f} s after Ctrl-C"
     assert "stopped (Ctrl-C); what finished:" in rest and "  minivllm: " in rest
+    assert any(x.startswith("  HF generate_batch") and x.endswith(", stopped") for x in rest.splitlines()), rest
     assert all(len(x) <= WIDTH for x in rest.splitlines())
     data = json.loads(report.read_text())
     assert data["complete"] is False and [r["name"] for r in data["results"]] == ["minivllm"]
@@ -117,7 +135,7 @@ def test_ctrl_c_stops_bench_during_hf_continuous_batching_with_exit_130_and_the_
 FAKE_DRIVER = r'''
 import json, os, subprocess, sys, time
 job = json.load(open(sys.argv[1]))
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # as vLLM's engine core
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])  # as vLLM's engine core
 open(os.environ["FAKE_PEER_CHILD"], "w").write(str(child.pid))
 with open(job["progress"], "w") as f:
     f.write("running\t7")
@@ -126,7 +144,7 @@ if job["settings"].get("finish"):
                "token_times": [[0.1] * n for n in job["max_tokens"]], "seconds": 0.5, "batch1_tpot": 0.01,
                "startup_seconds": 0.1, "version": "fake", "settings": job["settings"]}, open(sys.argv[2], "w"))
     sys.exit(0)
-time.sleep(120)
+time.sleep(3600)  # until stopped
 '''
 
 
@@ -162,16 +180,18 @@ def test_ctrl_c_during_a_peer_stops_its_driver_and_every_process_it_started(fake
     monkeypatch.setattr(peers, "peer_settings", lambda key, w: ({"finish": False}, {}))
     found = {}
 
-    def interrupt():  # Ctrl-C once the driver's child runs
-        found["child"] = _wait_for(fake_peer)
-        found["sent"] = time.perf_counter()
+    def interrupt():  # Ctrl-C once the driver's child runs (the driver then waits for it: no race)
+        found["child"] = _wait_for(fake_peer, 600)
         os.kill(os.getpid(), signal.SIGINT)
 
-    threading.Thread(target=interrupt, daemon=True).start()
-    with pytest.raises(KeyboardInterrupt):
-        peers.run_peer("llamacpp", workload, "tiny-random", progress=True)
-    took = time.perf_counter() - found["sent"]
-    assert took < 10, f"run_peer took {took:.1f} s to stop"
+    # Ctrl-C as a terminal's: KeyboardInterrupt (a test before this one may have left another handler)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        with pytest.raises(KeyboardInterrupt):
+            peers.run_peer("llamacpp", workload, "tiny-random", progress=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not _alive(found["child"]), "the driver's child outlived Ctrl-C"
     assert capsys.readouterr().err.splitlines()[-1].endswith(", stopped")
 
