@@ -164,7 +164,7 @@ def test_decode_op_breakdown_sorts_op_time_into_kinds_and_leaves_the_engine_empt
 def test_timer_and_phase_clock_measure_wall_time_on_the_cpu():
     with Timer("cpu") as t:
         time.sleep(0.02)
-    assert 0.02 <= t.seconds < 1.0
+    assert 0.02 <= t.seconds < 60  # at least the sleep; the upper bound only catches a wrong unit
     clock = PhaseClock("cpu")
     time.sleep(0.01)
     clock.mark("a")
