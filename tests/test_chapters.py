@@ -3,7 +3,9 @@
 A number with a unit of measure in a chapter's text (a percentage, a ratio,
 milliseconds, bytes, a rate) must appear in a code cell of the same chapter,
 where it is asserted, computed or printed; the few numbers that quote a
-paper or a definition are listed below with the reason.
+paper or a definition are listed below with the reason. And every vLLM path
+the course cites is one checked at the vLLM release the book names
+(tests/vllm_paths.txt).
 """
 
 import json
@@ -157,3 +159,33 @@ def test_a_how_vllm_does_it_box_wherever_minivllm_parts_ways(path):
     for box in boxes:
         assert ":class: note" in box and re.search(r"`(?:vllm|examples)/[\w/]+\.py`", box), \
             f"{path.name}: a 'How vLLM does it' box must name the vLLM source file it describes"
+
+
+VLLM_PATHS = ROOT / "tests" / "vllm_paths.txt"
+VLLM_PATH = re.compile(r"(?<![\w/.-])((?:vllm|csrc|examples|docs)/[A-Za-z0-9_./-]*[A-Za-z0-9_/])")
+VLLM_LINK = re.compile(r"github\.com/vllm-project/vllm/(?:blob|tree)/([^/]+)/([^}\s]+)")
+NOT_VLLM = {"csrc/ops.cpp"}  # minivllm's own C++ (minivllm/kernels/csrc), named without its folder
+
+
+def _cited_vllm_paths() -> dict[str, str]:
+    """Every vLLM path the course names, with one place that names it."""
+    texts = []
+    for path in sorted([*(ROOT / "book").glob("*.ipynb"), *(ROOT / "solutions").glob("*.ipynb")]):
+        cells = json.loads(path.read_text())["cells"]
+        texts += [(f"{path.name} cell {i}", "".join(c["source"])) for i, c in enumerate(cells)]
+    for pattern in ("book/*.md", "minivllm/**/*.py", "minivllm/**/*.md"):
+        texts += [(str(p.relative_to(ROOT)), p.read_text()) for p in sorted(ROOT.glob(pattern))]
+    cited = {m.group(1).rstrip("."): where for where, text in texts for m in VLLM_PATH.finditer(text)}
+    cited.update({m.group(2): "references.bib" for m in VLLM_LINK.finditer((ROOT / "references.bib").read_text())})
+    return {p: where for p, where in cited.items() if p not in NOT_VLLM}
+
+
+def test_every_cited_vllm_path_was_checked_at_the_books_vllm_release():
+    lines = [line for line in VLLM_PATHS.read_text().splitlines() if line and not line.startswith("#")]
+    release, checked = lines[0], set(lines[1:])
+    assert f"vLLM {release}" in (ROOT / "book" / "index.md").read_text(), f"book/index.md does not name vLLM {release}"
+    unchecked = {p: where for p, where in _cited_vllm_paths().items() if p not in checked}
+    assert not unchecked, f"vLLM paths cited but not checked at {release} (tests/vllm_paths.txt): {unchecked}"
+    tags = {tag for tag, _ in VLLM_LINK.findall((ROOT / "references.bib").read_text())}
+    assert tags <= {release}, f"references.bib links vLLM at {sorted(tags - {release})}, not at {release}"
+

@@ -5,7 +5,7 @@ head: it finds its sequence, walks that sequence's block table to the
 token's own position a tile of keys at a time, and keeps an online softmax
 (the running maximum, the sum, the weighted values, rescaled when the maximum
 grows), as the C++ kernel does for a tile of rows. vLLM's Triton backend
-(``vllm/attention/ops/triton_unified_attention.py``) does the same with tiles
+(``vllm/v1/attention/ops/triton_unified_attention.py`` at v0.30.0) does the same with tiles
 of queries and a split over the keys. Under ``TRITON_INTERPRET=1`` the
 kernels run on the CPU (slowly: the tests use tiny shapes). Arguments are
 checked in Python with tensor ops before launch, except while a CUDA graph is
