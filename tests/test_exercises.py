@@ -60,7 +60,7 @@ def test_the_repository_is_named_in_one_place():
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         assert generate.stamp_setup(nb, url, branch) == nb, f"{path}: run python exercises/generate.py"
-    texts = {p: p.read_text() for p in [ROOT / "README.md", *NOTEBOOKS]}
+    texts = {p: p.read_text() for p in [ROOT / "README.md", ROOT / "book" / "index.md", *NOTEBOOKS]}
     name = owner_repo.split("/")[1]
     for path, text in texts.items():
         for m in re.finditer(rf"github(?:\.com)?/([\w.-]+/{re.escape(name)})\b(/blob/[^/\s]+)?(@[\w.-]+)?", text):

@@ -64,6 +64,8 @@ def test_the_check_finds_a_long_line_and_fenced_code_in_text():
 def test_the_limit_is_the_one_the_css_names():
     css = (ROOT / "book" / "_static" / "minivllm.css").read_text()
     assert f"at least {LIMIT} monospace characters" in css
+    # a collapsed cell (hide-input) opens in an admonition box: without its side padding, as wide as the others
+    assert "div.cell details.hide { padding-left: 0; padding-right: 0; }" in css
 
 
 def _root_conftest():
