@@ -169,10 +169,11 @@ def test_the_misread_scan_finds_the_slips_and_passes_real_lists():
 
 
 def test_the_math_is_served_from_the_books_own_static_files():
-    """_config.yml points Sphinx's mathjax_path at MathJax 3's SVG bundle in book/_static, not at a CDN, so a book
+    """The book's Sphinx configuration points mathjax_path at MathJax 3's SVG bundle in book/_static, not at a CDN, so a book
     built locally shows its formulas offline (issue 67, item 3); one small file, no fonts to fetch."""
-    yaml = pytest.importorskip("yaml")
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())["sphinx"]["config"]
+    jb_config = pytest.importorskip("jupyter_book.config")
+    config, _ = jb_config.get_final_config(user_yaml=ROOT / "_config.yml", sourcedir=ROOT,
+                                           cli_config={"latex_individualpages": False})  # what Sphinx gets
     path = config["mathjax_path"]
     assert "//" not in path, f"mathjax_path {path} is a URL: the offline book would show raw TeX"
     found = [ROOT / static / path for static in config["html_static_path"] if (ROOT / static / path).is_file()]
