@@ -8,11 +8,14 @@ a GPU, ``time.perf_counter`` on a CPU.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 
 import torch
 
-__all__ = ["now", "median_time", "Timer", "PhaseClock"]
+__all__ = ["now", "median_time", "Timer", "PhaseClock", "quiet_profile"]
 
 
 def now(device=None) -> float:
@@ -94,3 +97,37 @@ class PhaseClock:
         t = now(self.device)
         self.phases[name] = self.phases.get(name, 0.0) + t - self._last
         self._last = t
+
+
+@contextlib.contextmanager
+def _fd2_silenced():
+    """File descriptor 2 (the process's C-level stderr) to /dev/null for the block, then back."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
+def quiet_profile(**kwargs):
+    """``torch.profiler.profile(**kwargs)`` without the lines its start and stop write to stderr (chapters 12, 18).
+
+    Kineto, the profiler's C++ side, writes ``USDT: ... profiler_start`` and ``profiler_stop`` straight to file
+    descriptor 2 (torch 2.13), where Python cannot catch it and a notebook shows it under the cell. Only the
+    start and the stop run with fd 2 closed off; the profiled block keeps its stderr.
+    """
+    from torch.profiler import profile
+
+    prof = profile(**kwargs)
+    with _fd2_silenced():
+        prof.start()
+    try:
+        yield prof
+    finally:
+        with _fd2_silenced():
+            prof.__exit__(None, None, None)  # stop, and the profiler's own clean-up

@@ -1,6 +1,7 @@
 """The benchmark harness (chapter 11): workloads, timed replay, baselines, roofline, step phases, the CLI."""
 
 import json
+import os
 import time
 
 import pytest
@@ -159,6 +160,26 @@ def test_decode_op_breakdown_sorts_op_time_into_kinds_and_leaves_the_engine_empt
     assert rows["reference"]["KV gather"] > 0  # PyTorch's path gathers each row's blocks
     if "cpu" in rows:  # the kernel table's paged attention reads the pool in place, in fewer calls
         assert rows["cpu"]["KV gather"] < rows["reference"]["KV gather"] and rows["cpu"]["calls"] < rows["reference"]["calls"]
+
+
+def test_profiling_through_minivllm_writes_nothing_on_the_processes_stderr(capfd):
+    """decode_op_breakdown profiles through quiet_profile: nothing on file descriptor 2, where torch 2.13's profiler
+    writes "USDT: ... profiler_start" and "profiler_stop" from C++ (a notebook shows them under the cell); the
+    profiled block keeps its stderr, and the profile its events."""
+    from torch.profiler import ProfilerActivity
+
+    from minivllm.bench import decode_op_breakdown
+    from minivllm.timing import quiet_profile
+
+    llm = LLM("tiny-random", block_size=4, kernels="reference")
+    capfd.readouterr()
+    assert decode_op_breakdown(llm, 2, prompt_len=8, steps=1)["calls"] > 0
+    with quiet_profile(activities=[ProfilerActivity.CPU]) as prof:
+        torch.ones(3).add_(1)
+        os.write(2, b"the block's own\n")
+    assert any("add_" in e.name for e in prof.events())
+    out, err = capfd.readouterr()
+    assert err == "the block's own\n"
 
 
 def test_timer_and_phase_clock_measure_wall_time_on_the_cpu():

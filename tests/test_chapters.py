@@ -189,3 +189,18 @@ def test_every_cited_vllm_path_was_checked_at_the_books_vllm_release():
     tags = {tag for tag, _ in VLLM_LINK.findall((ROOT / "references.bib").read_text())}
     assert tags <= {release}, f"references.bib links vLLM at {sorted(tags - {release})}, not at {release}"
 
+
+DRAWS = re.compile(r"\bplt\.|\bplot_\w+\(")
+IMPORTS_VIZ = re.compile(r"^\s*(import minivllm\.viz\b|from minivllm\.viz import|from minivllm import .*\bviz\b)", re.M)
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_every_figure_is_drawn_as_svg(path):
+    """A chapter imports minivllm.viz, which sets the notebook's figures to SVG, before its first figure: without
+    it matplotlib draws PNGs (chapters 12 and 19 did, issue 67), squashed when the page narrows them."""
+    code = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+    first_figure = next((i for i, source in enumerate(code) if DRAWS.search(source)), None)
+    if first_figure is None:
+        pytest.skip("no figure")
+    assert any(IMPORTS_VIZ.search(source) for source in code[:first_figure + 1]), (
+        f"{path.name}: import minivllm.viz (figures as SVG) before the first figure, code cell {first_figure}")

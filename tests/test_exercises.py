@@ -60,7 +60,7 @@ def test_the_repository_is_named_in_one_place():
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
         assert generate.stamp_setup(nb, url, branch) == nb, f"{path}: run python exercises/generate.py"
-    texts = {p: p.read_text() for p in [ROOT / "README.md", *NOTEBOOKS]}
+    texts = {p: p.read_text() for p in [ROOT / "README.md", ROOT / "book" / "index.md", *NOTEBOOKS]}
     name = owner_repo.split("/")[1]
     for path, text in texts.items():
         for m in re.finditer(rf"github(?:\.com)?/([\w.-]+/{re.escape(name)})\b(/blob/[^/\s]+)?(@[\w.-]+)?", text):
@@ -336,3 +336,59 @@ def test_building_the_book_leaves_the_readers_parts_alone(tmp_path):
     for part in ("kv_bytes_per_token", "paged_waste"):
         assert page.count(f"NotImplementedError: not written yet: {part}") == 2, part
     assert "Traceback" not in page and str(tmp_path) not in page
+
+
+def test_an_error_that_says_a_part_is_not_written_is_its_message_alone():
+    """unwritten_part_message: the stub's NotImplementedError, a check's AssertionError, EngineConfig's ValueError
+    or an error raised from any of them is shown as its message in lines of at most 100 characters (the error
+    raised, then the stub's under it); any other error is None (IPython's traceback)."""
+    from minivllm.exercises.notebook import unwritten_part_message
+
+    names = ", ".join(f"MyBlockManager.method_{i}" for i in range(8))
+    assert unwritten_part_message(NotImplementedError(f"{NOT_WRITTEN}: My.f")) == [
+        f"NotImplementedError: {NOT_WRITTEN}: My.f"]
+    lines = unwritten_part_message(ValueError(f"block_manager_cls must be a class whose methods are written "
+                                              f"({NOT_WRITTEN}: {names}), got 'MyBlockManager'"))
+    assert len(lines) == 4 and max(map(len, lines)) <= 100 and lines[0].startswith("ValueError: block_manager_cls")
+    assert " ".join(line.strip() for line in lines).endswith("MyBlockManager.method_7), got 'MyBlockManager'")
+    try:
+        try:
+            raise NotImplementedError(f"{NOT_WRITTEN}: g")
+        except NotImplementedError:
+            raise KeyError("slot")  # raised while handling the stub's error: its __context__
+    except KeyError as e:
+        assert unwritten_part_message(e) == ["KeyError: 'slot'", f"  from NotImplementedError: {NOT_WRITTEN}: g"]
+    assert unwritten_part_message(AssertionError("a real failure")) is None
+    assert unwritten_part_message(ValueError("x")) is None
+    hidden = KeyError("x")
+    hidden.__context__, hidden.__suppress_context__ = NotImplementedError(f"{NOT_WRITTEN}: g"), True  # from None
+    assert unwritten_part_message(hidden) is None
+
+
+EXERCISES = sorted((ROOT / "exercises").glob("*.ipynb"))
+
+
+def test_every_exercise_page_shows_its_unwritten_parts_in_a_few_short_lines(tmp_path):
+    """Every exercise notebook executed as the book build executes it (_config.yml: stubs as generated, each in a
+    folder of its own, only the cells tagged raises-exception may fail): every error a page shows says which part
+    is not written, in at most 4 lines of at most 100 characters, with no traceback and no path of this machine."""
+    nbclient, nbformat = pytest.importorskip("nbclient"), pytest.importorskip("nbformat")
+    found = []
+    for path in EXERCISES:
+        nb = nbformat.read(path, as_version=4)
+        folder = tmp_path / path.stem
+        folder.mkdir()
+        client = nbclient.NotebookClient(nb, timeout=600, allow_errors=False, kernel_name="python3",
+                                         resources={"metadata": {"path": str(folder)}})
+        client.execute()  # a cell not tagged raises-exception that fails stops the book's build: here, the test
+        for index, cell in enumerate(nb.cells):
+            for out in cell.get("outputs", []) if cell.cell_type == "code" else []:
+                if out.output_type != "error":
+                    continue
+                lines = "\n".join(out.traceback).split("\n")
+                where = f"{path.name} cell {index}: {out.ename}"
+                if NOT_WRITTEN not in "\n".join(lines) or len(lines) > 4 or "Traceback" in "\n".join(lines):
+                    found.append(f"{where}: {len(lines)} lines: {lines[-1][:80]}")
+                found += [f"{where}: a line of {len(line)} characters" for line in lines if len(line) > 100]
+                found += [f"{where}: shows {ROOT}" for line in lines if str(ROOT) in line or str(tmp_path) in line]
+    assert not found, "\n".join(found)

@@ -29,7 +29,7 @@ from minivllm.config import cdiv
 from minivllm.models import load_model
 from minivllm.models.linear import QUANTIZED_MAX_ROWS, Linear
 from minivllm.simple_generation import generate_cached, generate_naive
-from minivllm.timing import Timer, now
+from minivllm.timing import Timer, now, quiet_profile
 
 __all__ = ["BenchResult", "run_engine", "run_naive", "run_contiguous", "run_static", "run_hf_generate",
            "run_hf_generate_batch", "LADDER", "run_ladder", "ReservingBlockManager", "MachineLimits", "measure_machine",
@@ -465,13 +465,13 @@ def decode_op_breakdown(llm, batch: int, prompt_len: int = 64, steps: int = 5, s
     ``"calls"`` counts the operator calls a step makes (every event the
     profiler records: torch's ops and the kernel table's, chapter 18).
     """
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity
 
     engine = llm.engine
     ids = _start_decoding(llm, batch, prompt_len, steps, seed, "ops")
     cuda = torch.device(engine.runner.device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with quiet_profile(activities=activities) as prof:
         for _ in range(steps):
             engine.step()
         if cuda:

@@ -22,9 +22,14 @@ from minivllm.config import NOT_WRITTEN, is_stub  # a stub raises NotImplemented
 WIDTH = 100  # characters: what the book's column shows (tests/test_page_width.py)
 
 
+def wrap(message: str) -> str:
+    """``message`` in lines of at most WIDTH characters, the continuation lines indented."""
+    return textwrap.fill(message, WIDTH, subsequent_indent="    ", break_long_words=False)
+
+
 def say(message: str) -> None:
     """Print a check's message in lines of at most WIDTH characters, the continuation lines indented."""
-    print(textwrap.fill(message, WIDTH, subsequent_indent="    ", break_long_words=False))
+    print(wrap(message))
 
 
 def _as_id_list(value, what: str) -> list[int]:
