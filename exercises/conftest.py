@@ -11,7 +11,9 @@ just wrote, whatever the reader has.
 A cell that stops at a stub (tagged ``raises-exception`` by ``generate.py``)
 ends in ``NotImplementedError("not written yet: Class.method")``, which nbval
 counts as a pass; here it is a skip whose reason names the part (``pytest
--rs`` lists them), so an unfilled notebook never reads as passed.
+-rs`` lists them), so an unfilled notebook never reads as passed. Such an
+error is what the book's page shows: one short message, no traceback
+(:func:`page_error_problems`), or the cell fails.
 """
 
 import re
@@ -28,6 +30,22 @@ except ImportError:  # pytest without nbval: no notebook runs here
 
 NOT_WRITTEN = re.compile(r"not written yet:\s+[\w.]+")  # \s: the shown line may wrap there
 HERE = Path(__file__).resolve().parent
+PAGE_LINES, PAGE_WIDTH = 4, 100  # what an unwritten part may show on the page: a few lines within the column
+
+
+def page_error_problems(out: dict, where: str) -> list[str]:
+    """What is wrong with an error a cell shows (an nbval output, as the book shows it): it must say which part is
+    not written, in at most PAGE_LINES lines of at most PAGE_WIDTH characters, no traceback, no path of this
+    machine (minivllm.exercises.notebook's handler; issue 67)."""
+    lines = "\n".join(out.get("traceback", [])).split("\n")
+    text = "\n".join(lines)
+    found = []
+    if not NOT_WRITTEN.search(text) or len(lines) > PAGE_LINES or "Traceback" in text:
+        found.append(f"{where}: {len(lines)} lines, not one short 'not written yet' message: {lines[-1][:80]}")
+    found += [f"{where}: a line of {len(line)} characters" for line in lines if len(line) > PAGE_WIDTH]
+    found += [f"{where}: shows a path of this machine" for line in lines
+              if str(HERE.parent) in line or "minivllm-exercise-" in line]
+    return found
 
 if nbval_plugin is not None and not hasattr(nbval_plugin.RunningKernel, "exercise_folders"):
     class _KernelInThrowawayFolder(nbval_plugin.RunningKernel):
@@ -61,6 +79,10 @@ def pytest_runtest_makereport(item, call):
     for out in getattr(item, "test_outputs", None) or []:  # an nbval cell's outputs
         said = "\n".join([out.get("evalue", ""), *out.get("traceback", [])])  # an error raised from a stub's: its line
         found = out.get("output_type") == "error" and NOT_WRITTEN.search(said)
+        wrong = page_error_problems(out, item.name) if out.get("output_type") == "error" else []
+        if wrong:  # the page would show a traceback, or a line the column cuts
+            report.outcome, report.longrepr = "failed", "\n".join(wrong)
+            return
         if found:
             report.outcome = "skipped"
             reason = f"{item.name}: {' '.join(found.group().split())} (python -m minivllm.exercises status)"
