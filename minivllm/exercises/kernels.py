@@ -6,9 +6,11 @@ block table, each row to its own position) and ``q4_1_block_dot`` (one GGUF
 Q4_1 block times a few rows of activations). minivllm's scaffolding
 (``minivllm/kernels/csrc/ops.cpp``: the checks, the loops around them, the
 threads) is compiled with them into a kernel table, ``CpuKernels`` named
-"cpu (yours)", in a few seconds (:func:`build_kernels`). :func:`check_kernels`
-runs targeted cases against the PyTorch reference first and names the classic
-mistakes in the reader's terms, then (unless ``live=False``) runs SmolLM2 with
+"cpu (yours)", in a few seconds (:func:`~minivllm.exercises.native.build_kernels`).
+:func:`check_kernels` runs targeted cases against the PyTorch reference first,
+up to inner.h's kMaxHeadDim and kMaxBlockSize, in a child process (a crash of
+the reader's loops is a message naming the case, and the notebook lives), and
+names the classic mistakes in the reader's terms, then (unless ``live=False``) runs SmolLM2 with
 the reader's table (``LLM(..., kernels=yours)``), with and without the GGUF's
 blocks, and asks for exactly minivllm's tokens.
 """
@@ -96,11 +98,12 @@ def _rows(args):
 
 
 def _model(args, visible=None, kv_head=None, query_head=None, scale: bool = True, normalize: bool = True,
-           use_table: bool = True, carry: bool = False) -> torch.Tensor:
+           use_table: bool = True, carry: bool = False, packed: bool = False) -> torch.Tensor:
     """Attention as a reader's kernel might compute it, in float64: ``visible(b, pos, length)`` the keys a row
     sees (its own position by default), ``kv_head(h, group)`` the KV head query head ``h`` reads, ``query_head(h,
     group)`` whose query it uses; no scale, no division by the sum, slots without the table, the running state
-    carried from one query head of a row to the next (``carry``): the mistakes."""
+    carried from one query head of a row to the next (``carry``), a slot's keys found at slot * head_dim
+    (``packed``): the mistakes."""
     q, kc, vc = args["q"].double(), args["k_cache"].double(), args["v_cache"].double()
     H, D, KVH = q.shape[1], q.shape[2], kc.shape[1]
     group = H // KVH
@@ -112,7 +115,7 @@ def _model(args, visible=None, kv_head=None, query_head=None, scale: bool = True
         for h in range(H):
             g = kv_head(h, group) if kv_head else h // group
             qh = q[i, query_head(h, group) if query_head else h]
-            rows = [(_slot(args, b, t) if use_table else t) * KVH + g for t in keys]
+            rows = [(_slot(args, b, t) if use_table else t) * (1 if packed else KVH) + g for t in keys]
             s = flat_k[rows] @ qh * (1 / math.sqrt(D) if scale else 1.0)
             if carry and h % group:  # the sums of the row's earlier heads of this group, never reset
                 s, rows = torch.cat([prev_s, s]), prev_rows + rows
@@ -231,12 +234,15 @@ def _diagnose_attention(args, got, otherwise: str) -> str:
          "the output", dict(kv_head=lambda h, g: h // g + h % g)),
         ("every query head uses the first head's query: query head h of row r is q[r * q_row_stride + "
          "h * head_dim + d]", dict(query_head=lambda h, g: h // g * g)),
+        ("a key's vector is t.k_cache + slot * t.kv_stride (and its value t.v_cache + slot * t.kv_stride): "
+         "kv_stride, the distance between two slots, is kv_heads * head_dim, not head_dim", dict(packed=True)),
         ("the running maximum m, sum l and weighted values acc go on from one query head to the next: each (row, "
          "head) is a softmax of its own, so set m = -inf, l = 0 and acc = 0 at the start of each, inside the loop "
          "over heads", dict(carry=True)),
     ]
     for hint, options in models:
-        if (options.get("kv_head") or options.get("query_head") or options.get("carry")) and H == KVH:
+        if (options.get("kv_head") or options.get("query_head") or options.get("carry")) and H == KVH \
+                or options.get("packed") and KVH == 1:
             continue
         try:
             model = _model(args, **options)
@@ -375,6 +381,9 @@ def _diagnose_q4_1(x, qweight, got) -> str:
             return hint
     w = _decode(qweight, x.shape[1])
     exact = xd @ w.T
+    if not got.isfinite().all() or bool((got.double().abs() > 10 * (xd.abs() @ w.abs().T) + 1).any()):
+        return ("a number far beyond any sum of this block's products: a read past the block (its 16 quant bytes "
+                "are qs[0 .. 15], each holding weights j and j + 16) or past row r's 32 inputs")
     blocks = x.shape[1] // 32
     last = xd[:, -32:] @ w[:, -32:].T
     if blocks > 1 and torch.allclose(got.double(), last, rtol=1e-4, atol=1e-3):

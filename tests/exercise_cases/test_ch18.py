@@ -130,6 +130,11 @@ STATE_PER_TILE = Source(  # set once per tile
 INCLUDES_MINIVLLMS = Source(  # minivllm's own loops, included to be called
     "includes_minivllms",
     ('#include "inner.h"\n', '#include "inner.h"\nnamespace theirs {\n#include "inner.cpp"\n}\n'))
+KV_STRIDE_AS_DIM = Source("kv_stride_as_dim", (K_ROW, K_ROW.replace("t.kv_stride", "D")),
+                          (V_ROW, V_ROW.replace("t.kv_stride", "D")))  # slots packed as if one KV head
+THIRTY_TWO_QUANT_BYTES = Source(  # 32 quant bytes a block: reads past the block's 16 (and past x's 32 inputs)
+    "thirty_two_quant_bytes",
+    ("  for (int j = 0; j < 16; ++j) {\n    const float low", "  for (int j = 0; j < 32; ++j) {\n    const float low"))
 DOES_NOT_COMPILE = Source("does_not_compile", ("const int D = t.head_dim;", "const int D = t.head_dim"))
 
 NOT_BLOCK_END = "read to the end of its last block instead of its length"
@@ -159,16 +164,18 @@ CHECKS = [Check("18", check_kernels, [RIGHT, RIGHT_PER_KEY], {
     "Q4_0's offset of 8": (Q4_0_OFFSET, "subtracting 8 is Q4_0's rule"),
     "row r's inputs at x + 32 r": (X_STRIDE_32, ("rows at once", r"x_stride is the input width")),
     "the block's sum assigned, not added": (ASSIGNS_ACC, "only the last block counts"),
-    "buffers sized for SmolLM2 (float acc[64], float s[16])": (SMOLLM2_BUFFERS, (
+    "buffers sized for SmolLM2, acc of 64 and s of 16": (SMOLLM2_BUFFERS, (
         "head_dim 128", "kMaxHeadDim \\(256\\)", "float acc\\[64\\]")),
     "scores sized for blocks of 16": (SCORES_FOR_16, ("blocks of 32", "kMaxBlockSize \\(256\\)")),
     "the block table read far past its end: a crash": (TABLE_FAR_OFF, (
-        r"your kernel crashed \(SIG\w+\) on", "rows 1, sequences 1", "block table read past")),
+        r"your kernel crashed \(SIG\w+\) on", "block table read past")),
     "the block table read one block too far": (TABLE_ONE_TOO_FAR, "one decode row, 8 keys"),  # a crash, or garbage
     "m, l and acc set once per row, not per head": (STATE_PER_ROW, ("grouped-query", "go on from one query head")),
     "m, l and acc set once per tile": (STATE_PER_TILE, "go on from one query head"),
     "minivllm's inner.cpp included": (INCLUDES_MINIVLLMS, ("includes minivllm's own inner.cpp",
                                                           "the check runs your part alone")),
+    "t.kv_stride taken for head_dim": (KV_STRIDE_AS_DIM, ("grouped-query", "kv_stride, the distance between")),
+    "32 quant bytes a block": (THIRTY_TWO_QUANT_BYTES, "one block, one row"),  # its garbage: a hint, or none
     "a compile error": (DOES_NOT_COMPILE, ("does not compile", "(?s)^((?!psabi).)*$")),  # no -Wpsabi note
 }, passes="with exactly minivllm's tokens")]
 
