@@ -10,12 +10,12 @@ import json
 
 import torch
 
+from minivllm import sampler
 from minivllm.config import SpeculativeConfig
 from minivllm.engine import LLM
 from minivllm.exercises._common import own_part
 from minivllm.exercises.live import _reference, drive
 from minivllm.models import load_tokenizer
-from minivllm import sampler
 from minivllm.sampler import MiniGrammarMasker, apply_token_bitmask
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output import INSTALL, Grammar, StructuredOutputsParams, bitmask_words
@@ -94,12 +94,11 @@ class Delegated(AssertionError):
 
 def _theirs() -> list[tuple[str, object, str]]:
     """What a masker could hand its work to instead of writing it: ``(name, owner, attribute)``."""
-    found = [("MiniGrammarMasker.fill", MiniGrammarMasker, "fill"), ("MiniGrammarMasker.apply", MiniGrammarMasker,
-             "apply"), ("minivllm.sampler.apply_token_bitmask", sampler, "apply_token_bitmask"),
-             ("minivllm.sampler.mask_logits", sampler, "mask_logits")]
-    xgr = _xgrammar()
-    found.append(("xgrammar.apply_token_bitmask_inplace", xgr, "apply_token_bitmask_inplace"))
-    return found
+    return [("MiniGrammarMasker.fill", MiniGrammarMasker, "fill"),
+            ("MiniGrammarMasker.apply", MiniGrammarMasker, "apply"),
+            ("minivllm.sampler.apply_token_bitmask", sampler, "apply_token_bitmask"),
+            ("minivllm.sampler.mask_logits", sampler, "mask_logits"),
+            ("xgrammar.apply_token_bitmask_inplace", _xgrammar(), "apply_token_bitmask_inplace")]
 
 
 def _refuse(*args, _name: str = "minivllm's own", _error: type = AssertionError, **kwargs):
