@@ -54,6 +54,62 @@ def test_import_minivllm_loads_no_front_end():
     assert out.stdout.strip() == "[]"
 
 
+def exercise_imports(package: Path) -> dict[str, set[str]]:
+    """Each module of ``minivllm/exercises`` (``package``) -> the modules of it that it imports, at its top or
+    inside a function (an import deferred to a call is still a dependency)."""
+    graph = {}
+    for path in sorted(package.glob("*.py")):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minivllm.exercises."):
+                found.add(node.module.split(".")[2])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[2] for a in node.names if a.name.startswith("minivllm.exercises."))
+        graph[path.stem] = found - {path.stem}
+    return graph
+
+
+def import_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A cycle of ``graph`` as the modules along it (the first back to itself), or None."""
+    state = {}
+
+    def visit(module, path):
+        state[module] = "open"
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep] if dep in path else [module, dep]
+            if dep not in state:
+                cycle = visit(dep, path + [dep])
+                if cycle:
+                    return cycle
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            cycle = visit(module, [module])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_exercise_modules_import_down_only():
+    """What the checks share (parts, _common, native, live) sits below them: no module of minivllm.exercises
+    imports one that imports it back, even from inside a function."""
+    graph = exercise_imports(ROOT / "minivllm" / "exercises")
+    assert {"parts", "_common", "native", "live", "kernels", "progress"} <= set(graph)
+    assert import_cycle(graph) is None, " -> ".join(import_cycle(graph))
+
+
+def test_an_import_back_up_is_a_cycle(tmp_path):
+    shutil.copytree(ROOT / "minivllm" / "exercises", tmp_path / "exercises",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "exercises" / "_common.py", "a") as f:  # the circle issue 66 broke: _common -> kernels
+        f.write("\n\ndef loops(table):\n    from minivllm.exercises.kernels import LOOPS\n    return LOOPS\n")
+    cycle = import_cycle(exercise_imports(tmp_path / "exercises"))
+    assert cycle is not None and "_common" in cycle and "kernels" in cycle, cycle
+
+
 @pytest.mark.parametrize("module", CORE)
 def test_core_functions_are_short(module):
     tree = ast.parse((ROOT / "minivllm" / f"{module}.py").read_text())

@@ -6,9 +6,11 @@ block table, each row to its own position) and ``q4_1_block_dot`` (one GGUF
 Q4_1 block times a few rows of activations). minivllm's scaffolding
 (``minivllm/kernels/csrc/ops.cpp``: the checks, the loops around them, the
 threads) is compiled with them into a kernel table, ``CpuKernels`` named
-"cpu (yours)", in a few seconds (:func:`build_kernels`). :func:`check_kernels`
-runs targeted cases against the PyTorch reference first and names the classic
-mistakes in the reader's terms, then (unless ``live=False``) runs SmolLM2 with
+"cpu (yours)", in a few seconds (:func:`~minivllm.exercises.native.build_kernels`).
+:func:`check_kernels` runs targeted cases against the PyTorch reference first,
+up to inner.h's kMaxHeadDim and kMaxBlockSize, in a child process (a crash of
+the reader's loops is a message naming the case, and the notebook lives), and
+names the classic mistakes in the reader's terms, then (unless ``live=False``) runs SmolLM2 with
 the reader's table (``LLM(..., kernels=yours)``), with and without the GGUF's
 blocks, and asks for exactly minivllm's tokens.
 """
@@ -16,88 +18,50 @@ blocks, and asks for exactly minivllm's tokens.
 from __future__ import annotations
 
 import itertools
+import json
 import math
-import os
+import re
+import signal
 import struct
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from minivllm.exercises._common import say
-from minivllm.exercises.live import PARTS_DIR, chat_prompts, check_live, greedy
+from minivllm.exercises.live import chat_prompts, check_live, greedy
+from minivllm.exercises.native import (LOOPS, NO_COMPILER, PART, YOURS, build_kernels, compiler_status,  # noqa: F401
+                                       library_path, own_table)  # (the notebook imports the build from here too)
 from minivllm.kernels import build, reference
 from minivllm.kernels.cpu import CpuKernels
 from minivllm.tolerances import ATTENTION_ATOL
 
-__all__ = ["LOOPS", "YOURS", "NO_COMPILER", "compiler_status", "build_kernels", "unwritten_loops", "check_kernels"]
+__all__ = ["LOOPS", "YOURS", "NO_COMPILER", "LIMITS", "compiler_status", "build_kernels", "check_kernels"]
 
-LOOPS = ("attend_tile", "q4_1_block_dot")  # what exercise 18 has the reader write
-YOURS = "cpu (yours)"  # the name stats().kernels reports for the reader's table
-PART = PARTS_DIR / "kernels_inner.cpp"
-NO_COMPILER = ("exercise 18 builds your inner loops with a C++ compiler, and none is found here ($CXX, g++ or c++). "
-               "Install one: `apt-get install g++` (Debian, Ubuntu), `xcode-select --install` (macOS), or run the "
-               "notebook on Colab, which has g++. Then run this cell again.")
+
+def _limits() -> dict[str, int]:
+    """inner.h's limits on a tile's sizes, which every inner loop must handle: kMaxHeadDim, kMaxBlockSize."""
+    text = (build.CSRC / "inner.h").read_text()
+    return {name: int(re.search(rf"constexpr int {name} = (\d+);", text).group(1))
+            for name in ("kMaxHeadDim", "kMaxBlockSize")}
+
+
+LIMITS = _limits()
 Q4_1_ATOL, Q4_1_RTOL = 1e-4, 1e-5  # float32 sums of up to 1,536 products in another order (tests/test_kernels.py)
-
-
-def compiler_status() -> str:
-    """One line: the C++ compiler the exercise builds with, or what is missing and how to get it."""
-    cxx = build.compiler()
-    if cxx is None:
-        return NO_COMPILER
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    return f"C++ compiler: {cxx} ({version[0] if version else 'version unknown'})"
-
-
-def build_kernels(path: Path | str = PART, quiet: bool = False) -> CpuKernels:
-    """Your inner loops (``path``) compiled with minivllm's ``ops.cpp`` into a kernel table named "cpu (yours)".
-
-    A build takes a few seconds and is cached by the sources, so an unchanged
-    file loads at once. A file that does not compile raises ``AssertionError``
-    with the compiler's message; no compiler, ``RuntimeError`` saying how to
-    get one.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: run the %%writefile cell of exercise 18 first")
-    if build.compiler() is None:
-        raise RuntimeError(NO_COMPILER)
-    start = time.perf_counter()
-    try:
-        lib = build.load(build.build(path, quiet=True))
-    except build.BuildError as e:
-        raise AssertionError(f"{path} does not compile: {e}") from None
-    if not quiet:
-        say(f"{path} with minivllm's ops.cpp: built in {time.perf_counter() - start:.1f} s (an unchanged "
-              "file comes from the cache)")
-    return CpuKernels(lib, YOURS)
-
-
-def _table(kernels) -> CpuKernels:
-    """A table from what the reader hands the check: a path to the inner loops, or a table already built."""
-    if isinstance(kernels, (str, os.PathLike)):
-        path = Path(kernels)
-        if path.resolve() == build.INNER.resolve():
-            raise NotImplementedError(f"not written yet: {', '.join(LOOPS)} ({path} is minivllm's own inner.cpp: "
-                                      "build yours)")
-        return build_kernels(path, quiet=True)
-    if not isinstance(kernels, CpuKernels):
-        raise AssertionError(f"expected the path of your kernels_inner.cpp or its build (build_kernels(path)), got "
-                             f"{kernels!r}")
-    from minivllm.kernels import cpu_table
-
-    if kernels is cpu_table():
-        raise NotImplementedError(f"not written yet: {', '.join(LOOPS)} ({kernels!r} is minivllm's own table: "
-                                  "build yours with build_kernels)")
-    return kernels
-
-
-def unwritten_loops(table: CpuKernels) -> list[str]:
-    """The inner loops of ``table`` still exercise 18's stub (``MINIVLLM_NOT_WRITTEN``)."""
-    return table.not_written()
-
+SMALL = (64, 16)  # the head_dim and block size of every case before the sizes' own (SmolLM2's are 64 and 16)
+TOO_SMALL = ("a buffer sized for a smaller model (float acc[64], float s[16]): the kernel must handle any head_dim "
+             f"up to kMaxHeadDim ({LIMITS['kMaxHeadDim']}) and any block size up to kMaxBlockSize "
+             f"({LIMITS['kMaxBlockSize']}), inner.h's limits")
+OUT_OF_BOUNDS_ATTENTION = ("a read or write outside an array: the block table read past a row's last block "
+                           "(t.table[i / t.block_size] is there only for keys i <= t.pos[r]), a slot outside the "
+                           "cache, an index into a buffer past head_dim or block_size, or an output past the tile")
+OUT_OF_BOUNDS_Q4_1 = ("a read or write outside an array: a block is 20 bytes (d, m, then qs[0 .. 15]), row r's "
+                      "inputs are x[r * x_stride + 0 .. 31], and acc has rows entries of kLanes lanes")
+SIZES = (f"your loop is right at head_dim up to {SMALL[0]} and blocks up to {SMALL[1]} keys (SmolLM2's sizes), "
+         f"but not here: {TOO_SMALL}; size a head's buffers kMaxHeadDim and a block's kMaxBlockSize")
 
 # -- paged attention: the cases and the mistakes they tell apart --------------------------------------------------
 
@@ -134,10 +98,12 @@ def _rows(args):
 
 
 def _model(args, visible=None, kv_head=None, query_head=None, scale: bool = True, normalize: bool = True,
-           use_table: bool = True) -> torch.Tensor:
+           use_table: bool = True, carry: bool = False, packed: bool = False) -> torch.Tensor:
     """Attention as a reader's kernel might compute it, in float64: ``visible(b, pos, length)`` the keys a row
     sees (its own position by default), ``kv_head(h, group)`` the KV head query head ``h`` reads, ``query_head(h,
-    group)`` whose query it uses; no scale, no division by the sum, slots without the table: the mistakes."""
+    group)`` whose query it uses; no scale, no division by the sum, slots without the table, the running state
+    carried from one query head of a row to the next (``carry``), a slot's keys found at slot * head_dim
+    (``packed``): the mistakes."""
     q, kc, vc = args["q"].double(), args["k_cache"].double(), args["v_cache"].double()
     H, D, KVH = q.shape[1], q.shape[2], kc.shape[1]
     group = H // KVH
@@ -149,8 +115,11 @@ def _model(args, visible=None, kv_head=None, query_head=None, scale: bool = True
         for h in range(H):
             g = kv_head(h, group) if kv_head else h // group
             qh = q[i, query_head(h, group) if query_head else h]
-            rows = [(_slot(args, b, t) if use_table else t) * KVH + g for t in keys]
+            rows = [(_slot(args, b, t) if use_table else t) * (1 if packed else KVH) + g for t in keys]
             s = flat_k[rows] @ qh * (1 / math.sqrt(D) if scale else 1.0)
+            if carry and h % group:  # the sums of the row's earlier heads of this group, never reset
+                s, rows = torch.cat([prev_s, s]), prev_rows + rows
+            prev_s, prev_rows = s, rows
             p = torch.exp(s - s.max())
             out[i, h] = (p @ flat_v[rows]) / (p.sum() if normalize else 1.0)  # acc is relative to the max
     return out.float()
@@ -211,7 +180,15 @@ def _attention_cases():
              ([(1, 1), (4, 30), (1, 29)], (4, 2, 16), 7),
              ([(2, 9), (1, 13), (9, 9)], (8, 4, 8), 1),
              ([(1, 45), (3, 40)], (2, 2, 40), 8),
-             ([(20, 100), (1, 600)], (6, 1, 32), 16)])]
+             ([(20, 100), (1, 600)], (6, 1, 32), 16)])] + [
+        _attention_case(f"{why}: {h} query heads on {kvh} KV heads, head_dim {d}, blocks of {bs}", seqs, (h, kvh, d),
+                        bs, 200 + i, otherwise=SIZES)
+        for i, (why, seqs, (h, kvh, d), bs) in enumerate([
+            ("head_dim 128 (Llama 3's)", [(1, 40), (3, 20)], (4, 2, 128), 16),
+            ("blocks of 32 keys", [(1, 70), (4, 40)], (2, 1, 64), 32),
+            ("blocks of 128", [(1, 300), (2, 130)], (2, 1, 128), 128),
+            ("the limits, kMaxHeadDim and kMaxBlockSize", [(1, 300), (2, 257)], (2, 1, LIMITS["kMaxHeadDim"]),
+             LIMITS["kMaxBlockSize"])])]
 
 
 def _where(got, want, args) -> str:
@@ -257,9 +234,15 @@ def _diagnose_attention(args, got, otherwise: str) -> str:
          "the output", dict(kv_head=lambda h, g: h // g + h % g)),
         ("every query head uses the first head's query: query head h of row r is q[r * q_row_stride + "
          "h * head_dim + d]", dict(query_head=lambda h, g: h // g * g)),
+        ("a key's vector is t.k_cache + slot * t.kv_stride (and its value t.v_cache + slot * t.kv_stride): "
+         "kv_stride, the distance between two slots, is kv_heads * head_dim, not head_dim", dict(packed=True)),
+        ("the running maximum m, sum l and weighted values acc go on from one query head to the next: each (row, "
+         "head) is a softmax of its own, so set m = -inf, l = 0 and acc = 0 at the start of each, inside the loop "
+         "over heads", dict(carry=True)),
     ]
     for hint, options in models:
-        if (options.get("kv_head") or options.get("query_head")) and H == KVH:
+        if (options.get("kv_head") or options.get("query_head") or options.get("carry")) and H == KVH \
+                or options.get("packed") and KVH == 1:
             continue
         try:
             model = _model(args, **options)
@@ -277,9 +260,21 @@ def _diagnose_attention(args, got, otherwise: str) -> str:
     return otherwise
 
 
-def _check_attention(table: CpuKernels) -> int:
+def _shape(args) -> str:
+    """A case's sizes, in the tile's terms: rows, block size, head_dim."""
+    T, H, D = args["q"].shape
+    return (f"rows {T}, sequences {len(args['seq_lens'])} of up to {int(args['seq_lens'].max())} keys, block size "
+            f"{args['block_size']}, head_dim {D}")
+
+
+def _check_attention(table: CpuKernels, started=lambda what, sizes, cause: None) -> int:
+    """Each case against the reference; ``started(what, sizes, cause)`` is told each case before it runs, with
+    the usual cause of a crash there (the child process of :func:`_run_cases` writes it down)."""
     cases = _attention_cases()
-    for what, args, otherwise in cases:
+    for i, (what, args, otherwise) in enumerate(cases):
+        beyond = args["q"].shape[2] > SMALL[0] or args["block_size"] > SMALL[1]  # every earlier case passed
+        started(f"paged attention case {i + 1} of {len(cases)}, {what}", _shape(args),
+                f"{TOO_SMALL}; or {OUT_OF_BOUNDS_ATTENTION}" if beyond else OUT_OF_BOUNDS_ATTENTION)
         want = reference.paged_attention(**args)
         try:
             got = table.paged_attention(**args)
@@ -288,8 +283,8 @@ def _check_attention(table: CpuKernels) -> int:
         except Exception as e:
             raise AssertionError(f"paged attention, {what}: your kernel raised {type(e).__name__}: {e}") from e
         if got.isnan().any() or not torch.allclose(got, want, rtol=0, atol=ATTENTION_ATOL):
-            raise AssertionError(f"paged attention, {what}: {_where(got, want, args)}; "
-                                 f"{_diagnose_attention(args, got, otherwise)}")
+            hint = otherwise if beyond else _diagnose_attention(args, got, otherwise)
+            raise AssertionError(f"paged attention, {what}: {_where(got, want, args)}; {hint}")
     return len(cases)
 
 
@@ -386,6 +381,9 @@ def _diagnose_q4_1(x, qweight, got) -> str:
             return hint
     w = _decode(qweight, x.shape[1])
     exact = xd @ w.T
+    if not got.isfinite().all() or bool((got.double().abs() > 10 * (xd.abs() @ w.abs().T) + 1).any()):
+        return ("a number far beyond any sum of this block's products: a read past the block (its 16 quant bytes "
+                "are qs[0 .. 15], each holding weights j and j + 16) or past row r's 32 inputs")
     blocks = x.shape[1] // 32
     last = xd[:, -32:] @ w[:, -32:].T
     if blocks > 1 and torch.allclose(got.double(), last, rtol=1e-4, atol=1e-3):
@@ -398,9 +396,11 @@ def _diagnose_q4_1(x, qweight, got) -> str:
     return "compare your loop with the contract in inner.h"
 
 
-def _check_q4_1(table: CpuKernels) -> int:
+def _check_q4_1(table: CpuKernels, started=lambda what, sizes, cause: None) -> int:
     cases = _q4_1_cases()
-    for what, x, qweight, bias in cases:
+    for i, (what, x, qweight, bias) in enumerate(cases):
+        started(f"Q4_1 matvec case {i + 1} of {len(cases)}, {what}",
+                f"{x.shape[0]} rows of {x.shape[1]} inputs, {qweight.shape[0]} output features", OUT_OF_BOUNDS_Q4_1)
         want = reference.q4_1_linear(x, qweight, bias)
         try:
             got = table.q4_1_linear(x, qweight, bias)
@@ -414,6 +414,69 @@ def _check_q4_1(table: CpuKernels) -> int:
             raise AssertionError(f"Q4_1 matvec, {what}: row {r}, output {n} is {float(got[r, n]):.6g}, expected "
                                  f"{float(want[r, n]):.6g}; {hint}")
     return len(cases)
+
+
+# -- the targeted cases in a child process: a crash is a message, not a dead notebook -------------------------------
+
+CASES_TIMEOUT = 300  # seconds: the targeted cases take a few; a process still running after this is in an endless loop
+
+
+def _cases_child(lib: str, log: str) -> None:
+    """The child process of :func:`_run_cases`: the targeted cases on the library at ``lib``, each case's name
+    appended to the file ``log`` before it runs, the outcome last (JSON lines: plain data, never a pickle)."""
+    with open(log, "a", encoding="utf-8") as f:
+        def write(**record):
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+        table = CpuKernels(build.load(Path(lib)), YOURS)
+        started = lambda what, sizes, cause: write(case=what, sizes=sizes, cause=cause)  # noqa: E731
+        started("the first call of each loop (is it written?)", "one key, head_dim 8; one Q4_1 block",
+                OUT_OF_BOUNDS_ATTENTION)
+        left = table.not_written()
+        if left:
+            return write(failed="NotImplementedError", message=f"not written yet: {', '.join(left)}")
+        try:
+            write(passed=[_check_attention(table, started), _check_q4_1(table, started)])
+        except (AssertionError, NotImplementedError) as e:
+            write(failed=type(e).__name__, message=str(e))
+
+
+def _run_cases(table: CpuKernels) -> list[int]:
+    """The targeted cases run in a child process on ``table``'s library, so that a crash of the reader's loops
+    (an out-of-bounds read, a stack overflow) is an ``AssertionError`` naming the case, and the notebook lives.
+    Returns the number of attention and Q4_1 cases; a failure raises what the check raised in the child."""
+    code = "import sys; from minivllm.exercises.kernels import _cases_child; _cases_child(*sys.argv[1:])"
+    with tempfile.TemporaryDirectory(prefix="minivllm-check-") as tmp:
+        log = Path(tmp) / "cases.jsonl"
+        log.touch()
+        try:
+            done = subprocess.run([sys.executable, "-c", code, str(library_path(table)), str(log)],
+                                  capture_output=True, text=True, timeout=CASES_TIMEOUT)
+        except subprocess.TimeoutExpired:  # subprocess.run killed the child
+            done = None
+        records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    if done is not None and (done.stdout.strip() or done.returncode):
+        print(done.stdout, end="")  # your loops' own prints (printf debugging)
+    last = records[-1] if records else {}
+    if "passed" in last:
+        return last["passed"]
+    if "failed" in last:
+        raise (NotImplementedError if last["failed"] == "NotImplementedError" else AssertionError)(last["message"])
+    case = last.get("case", "loading your library")
+    where = f"{case} ({last['sizes']})" if "sizes" in last else case
+    if done is None:
+        raise AssertionError(f"your kernel did not finish {where} in {CASES_TIMEOUT} s: an endless loop? (a loop "
+                             "over keys or blocks whose index never reaches its end)")
+    if done.returncode < 0:
+        try:
+            name = signal.Signals(-done.returncode).name
+        except ValueError:
+            name = f"signal {-done.returncode}"
+        raise AssertionError(f"your kernel crashed ({name}) on {where}; the usual cause is "
+                             f"{last.get('cause', 'a read or write outside an array')}")
+    raise AssertionError(f"the targeted cases stopped on {where} (exit status {done.returncode}): "
+                         f"{done.stderr.strip()[-2000:]}")
 
 
 # -- the live engine -----------------------------------------------------------------------------------------------
@@ -442,25 +505,25 @@ def check_kernels(kernels=PART, live: bool = True) -> None:
     end inside a block (other keys, then NaN, in the slots after them),
     grouped-query heads, a prefill chunk's causal rows, large scores, then
     random steps of decode rows, chunks and whole prompts (block sizes 1 to
-    16, head_dim 8 to 64); for Q4_1, one block with known d, m and quants,
-    up to 8 rows at once, and the embedded GGUF's own blocks. Then, unless
+    16, head_dim 8 to 64), then the sizes of other models up to inner.h's
+    limits (head_dim 128, blocks of 32 and 128, kMaxHeadDim and
+    kMaxBlockSize); for Q4_1, one block with known d, m and quants, up to 8
+    rows at once, and the embedded GGUF's own blocks. The cases run in a
+    child process: a crash there is an ``AssertionError`` naming the case and
+    its sizes, and this process lives. Then, unless
     ``live=False``, SmolLM2 in the live engine with your table, with and
     without ``quantization="gguf"``: exactly the tokens of minivllm's own
     kernels, the block invariants after every step, no leaked block.
     """
     start = time.perf_counter()
-    table = _table(kernels)
-    left = unwritten_loops(table)
-    if left:
-        raise NotImplementedError(f"not written yet: {', '.join(left)}")
-    attention = _check_attention(table)
-    q4_1 = _check_q4_1(table)
+    table = own_table(kernels)
+    attention, q4_1 = _run_cases(table)  # "not written yet" first
     say(f"check_kernels: {attention} paged-attention cases (the rescale, each row to its own position, the block "
-          f"table, grouped-query heads, a chunk's causal rows, large scores, random steps) and {q4_1} Q4_1 cases "
-          f"(scale, min, nibble order, rows) match the reference (targeted cases, "
-          f"{time.perf_counter() - start:.1f} s).")
+        f"table, grouped-query heads, a chunk's causal rows, large scores, random steps, head_dim up to "
+        f"{LIMITS['kMaxHeadDim']} and blocks up to {LIMITS['kMaxBlockSize']} keys) and {q4_1} Q4_1 cases (scale, "
+        f"min, nibble order, rows) match the reference (targeted cases, {time.perf_counter() - start:.1f} s).")
     if not live:
         return
     _check_live(table)
     say("check_kernels: your kernels ran SmolLM2 in the live engine with and without the GGUF's blocks, with "
-          "exactly minivllm's tokens.")
+        "exactly minivllm's tokens.")

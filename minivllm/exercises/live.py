@@ -21,11 +21,12 @@ from pathlib import Path
 
 from minivllm.engine import LLM
 from minivllm.exercises._common import complete, say
+from minivllm.exercises.native import build_kernels
+from minivllm.exercises.parts import PARTS, PARTS_DIR
 from minivllm.sampling_params import SamplingParams
 
 __all__ = ["PARTS_DIR", "load_part", "SpawnablePart", "spawnable", "chat_prompts", "greedy", "drive", "check_live"]
 
-PARTS_DIR = Path("your_engine")  # next to the notebooks: each exercise writes its part here
 TOPICS = ["the sea", "paged attention", "prime numbers", "a cat", "Paris", "rust and python", "the moon landing",
           "sourdough bread", "chess openings", "volcanoes", "jazz", "GPUs", "photosynthesis", "the Roman empire",
           "origami", "black holes"]
@@ -40,8 +41,6 @@ def load_part(module: str, name: str, parts_dir: Path = PARTS_DIR):
     "not written yet". A C++ part (``module`` a ``.cpp`` file, exercise 18) comes built: its kernel table.
     """
     if module.endswith(".cpp"):
-        from minivllm.exercises.kernels import build_kernels  # the kernels' check imports this module
-
         return build_kernels(Path(parts_dir) / module, quiet=True)
     path = Path(parts_dir) / f"{module}.py"
     if not path.exists():
@@ -50,8 +49,6 @@ def load_part(module: str, name: str, parts_dir: Path = PARTS_DIR):
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
     part = getattr(loaded, name)
-    from minivllm.exercises.progress import PARTS  # the table of parts imports this module
-
     found = next((p for p in PARTS if (p.module, p.name) == (module, name) and p.impl is not None), None)
     return complete(part, found.methods, found.impl) if found is not None and inspect.isclass(part) else part
 

@@ -5,10 +5,12 @@ live engine (``grammar_masker_cls``): SmolLM2 answering in JSON, every answer va
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
 
+from minivllm import sampler
 from minivllm.config import SpeculativeConfig
 from minivllm.engine import LLM
 from minivllm.exercises._common import own_part
@@ -86,10 +88,54 @@ def _mask(grammar: Grammar) -> set[int]:
     return _allowed(bitmask[0])
 
 
-def _call(what: str, method, *args):
-    """The reader's method called; an exception becomes a failure that names the call."""
+class Delegated(AssertionError):
+    """The reader's method called minivllm's own implementation of the part (or xgrammar's kernel)."""
+
+
+def _theirs() -> list[tuple[str, object, str]]:
+    """What a masker could hand its work to instead of writing it: ``(name, owner, attribute)``."""
+    return [("MiniGrammarMasker.fill", MiniGrammarMasker, "fill"),
+            ("MiniGrammarMasker.apply", MiniGrammarMasker, "apply"),
+            ("minivllm.sampler.apply_token_bitmask", sampler, "apply_token_bitmask"),
+            ("minivllm.sampler.mask_logits", sampler, "mask_logits"),
+            ("xgrammar.apply_token_bitmask_inplace", _xgrammar(), "apply_token_bitmask_inplace")]
+
+
+def _refuse(*args, _name: str = "minivllm's own", _error: type = AssertionError, **kwargs):
+    """What minivllm's own fill and apply run while the check calls the reader's part (``_name``: which). It
+    runs with their module's globals: it names nothing global."""
+    raise _error(f"your part called {_name}: the check runs your part alone, so minivllm's own answer (and "
+                 "xgrammar's kernel) is not there to call; write it yourself")
+
+
+@contextlib.contextmanager
+def _alone():
+    """minivllm's own fill and apply (and xgrammar's bitmask kernel) raise :class:`Delegated` meanwhile, however
+    the reader's code reaches them (the class, a name imported before the check): each one's code is swapped for
+    :func:`_refuse`'s, and swapped back afterwards, whatever happens."""
+    swapped = []
     try:
-        return method(*args)
+        for name, owner, attr in _theirs():
+            fn = getattr(owner, attr)
+            code = getattr(fn, "__code__", None)
+            if code is None or code.co_freevars:  # not a plain Python function: left as it is
+                continue
+            swapped.append((fn, code, fn.__kwdefaults__))
+            fn.__code__, fn.__kwdefaults__ = _refuse.__code__, {"_name": name, "_error": Delegated}
+        yield
+    finally:
+        for fn, code, kwdefaults in swapped:
+            fn.__code__, fn.__kwdefaults__ = code, kwdefaults
+
+
+def _call(what: str, method, *args):
+    """The reader's method called, on its own (:func:`_alone`); an exception becomes a failure that names the
+    call."""
+    try:
+        with _alone():
+            return method(*args)
+    except Delegated as e:
+        raise AssertionError(f"{what}: {e}") from None
     except Exception as e:
         raise AssertionError(f"{what}: {method.__name__} raised {type(e).__name__}: {e}") from e
 
@@ -130,6 +176,14 @@ def _apply_hint(r: int, allowed: set[int], kept: set[int], rows: dict) -> str:
     return "token t is allowed where bit t % 32 of word t // 32 of the row is set"
 
 
+def _unchanged_by_any_row(masker, logits, bitmask, index) -> bool:
+    """Whether apply leaves the logits as they were even when every bitmask row is the first of index's (so it is
+    not that apply read another row, one that allows every token)."""
+    probe, same = logits.clone(), bitmask[index[0]].expand_as(bitmask).clone()
+    _call("apply", masker.apply, probe, same, list(index))
+    return torch.equal(probe, logits)
+
+
 def _check_apply(masker) -> None:
     words = bitmask_words(len(VOCAB))
     for what, rows, index in APPLY_CASES:
@@ -147,6 +201,12 @@ def _check_apply(masker) -> None:
         if torch.equal(got, logits) and isinstance(returned, torch.Tensor):
             raise AssertionError(f"{case}: logits are unchanged and apply returned a tensor: mask logits in place "
                                  "(logits[r] = ..., masked_fill_): the runner samples from the tensor it passed")
+        if torch.equal(got, logits) and _unchanged_by_any_row(masker, logits, bitmask, index):
+            raise AssertionError(
+                f"{case}: the logits are unchanged after apply, though the bitmask forbids tokens: mask them in "
+                "place, in the tensor apply receives (logits[index] = logits[index].masked_fill(...)); a new "
+                "tensor (logits = ..., or masked_fill_ on logits[index], which is a copy) is lost when apply "
+                "returns, and the runner samples from the tensor it passed")
         if got.isnan().any():
             raise AssertionError(f"{case}: the logits hold NaN after apply: a forbidden logit is -inf, never "
                                  "inf - inf or 0 * inf (set it, don't multiply or add to it)")
@@ -193,7 +253,8 @@ def _check_apply(masker) -> None:
 # -- fill: each constrained position's row, the matcher left as it was ---------------------------------------------
 
 def _state(grammar: Grammar) -> tuple:
-    return grammar.num_accepted, grammar.is_terminated(), grammar.is_completed(), sorted(_mask(grammar))
+    ended = grammar.is_terminated()  # a matcher that has ended has no mask to fill
+    return grammar.num_accepted, ended, grammar.is_completed(), [] if ended else sorted(_mask(grammar))
 
 
 def _make_rows(spec: list[tuple]) -> list[tuple]:
@@ -216,6 +277,11 @@ FILL_CASES = [  # (what, logits rows, rows: (first, kind, grammar, tokens so far
      [(0, "ebnf", ANSWER, ["ok", " "], ["yes", "no", " please"]), (4, "regex", DIGITS, ["4", "2"], [])]),
     ('a drafted row of digits at logits 1 to 3 (drafts "7", "7"): complete after one digit, ended after three', 4,
      [(1, "regex", DIGITS, ["7"], ["7", "7"])]),
+    ('a sample whose grammar has ended: it accepted EOS after "ok no" (is_terminated()), at logits row 0, and a '
+     "plain constrained row at 2", 3,
+     [(0, "ebnf", ANSWER, ["ok", " ", "no", "<eos>"], []), (2, "regex", DIGITS, ["1"], [])]),
+    ('a drafted row at logits 1 to 3 whose drafts close the answer and then propose EOS ("no", EOS): the position '
+     "after EOS follows an ended grammar", 4, [(1, "ebnf", ANSWER, ["ok", " "], ["no", "<eos>"])]),
 ]
 
 
@@ -258,17 +324,35 @@ def _fill_hint(r: int, got: set[int], want: set[int], masks: dict[str, set[int]]
     return f"fill row {r} from the matcher in its state after {text!r}: grammar.fill_bitmask(bitmask, {r})"
 
 
+def _fill(case: str, masker, bitmask, rows, constrained: dict):
+    """The reader's fill on ``rows``; where it raises on a grammar that has ended, the failure says so."""
+    try:
+        return _call(case, masker.fill, bitmask, rows)
+    except AssertionError as e:
+        ended = [(r, c[0], c[2]) for r, c in sorted(constrained.items()) if c[1] is None]
+        if not ended or "terminated" not in str(e.__cause__):
+            raise
+        r, first, text = ended[0]
+        raise AssertionError(
+            f"{case}: fill raised {type(e.__cause__).__name__} (xgrammar: the matcher \"has terminated after "
+            f"accepting the stop token\"). Logits row {r} follows EOS: the grammar of the sample at row {first} "
+            f"has ended, its tokens so far {text!r} (grammar.is_terminated(): EOS accepted), and xgrammar refuses "
+            "to fill the mask of a matcher that has ended; leave such a row whole (no fill_bitmask where "
+            "grammar.is_terminated(): the sample ends there). In the engine, a draft of EOS right after the JSON "
+            "closes ends the request with an error") from None
+
+
 def _check_fill(masker) -> None:
     for what, num_rows, spec in FILL_CASES:
         rows = _make_rows(spec)
         before = [_state(g) for _, g, _ in rows]
         case = f"fill: {what}"
         bitmask = torch.full((num_rows, bitmask_words(len(VOCAB))), -1, dtype=torch.int32)
-        index = _call(case, masker.fill, bitmask, rows)
         constrained = {}
         for first, kind, g, prefix, drafts in spec:
             for r, want, text in _positions(first, (kind, g), prefix, drafts):
                 constrained[r] = (first, want, text, prefix, drafts, (kind, g))
+        index = _fill(case, masker, bitmask, rows, constrained)
         for r in range(num_rows):
             if r in constrained or _allowed(bitmask[r]) == set(range(len(VOCAB))):
                 continue
@@ -277,9 +361,18 @@ def _check_fill(masker) -> None:
                 f"{case}: row {r} has no constraint (no sample's position is logits row {r}), but fill wrote into "
                 "its bitmask row: a sample's positions are the logits rows first to first + len(drafts), from its "
                 "(first, grammar, drafts)" + (f", not its place {k} in rows" if k is not None else ""))
+        past = None  # a mask written after a refused draft: said once the matcher is known to be back
         for r in sorted(constrained):
             first, want, text, prefix, drafts, g = constrained[r]
             got = _allowed(bitmask[r])
+            if want == "past" and got != set(range(len(VOCAB))) and past is None:
+                refused = next(d for j, d in enumerate(drafts) if constrained[first + j + 1][1] == "past")
+                past = (
+                    f"{case}: row {r} (position {r - first} of the sample at row {first}) comes after the draft "
+                    f"{refused!r}, which the grammar refuses (accept returned False), yet fill wrote a mask there: "
+                    "stop at the first refused draft and leave the rows after it whole. The engine rejects that "
+                    "draft and every one after it, so those positions are never sampled, and a later draft tried "
+                    "from the state before the refused one is a state the sample never reaches")  # after the rollback
             if want in ("past", None):
                 continue  # past a refused draft (that draft is rejected at its own row), or a terminated grammar
             if got != want:
@@ -321,6 +414,8 @@ def _check_fill(masker) -> None:
                     f"{case}: after fill the matcher of the sample at row {first} holds {held} tokens, it held "
                     f"{had}: the matcher must be where it was, since only the tokens the scheduler appends advance "
                     f"it for good; {why}")
+        if past:
+            raise AssertionError(past)
 
 
 def _check_round_trip(cls) -> None:
@@ -423,8 +518,11 @@ def check_grammar_masker(cls, live: bool = True) -> None:
     word order, -inf for a forbidden token, the allowed logits left exactly as
     they are, only the rows of ``index``); ``fill`` on plain and drafted rows
     beside unconstrained ones (each position's row after its drafts, a draft the
-    grammar refuses, EOS where the grammar is complete, the matcher rolled back
-    to where it was); the masker called as the runner calls it. The first failure stops
+    grammar refuses, EOS where the grammar is complete, a grammar that has
+    ended, a draft of EOS, the matcher rolled back to where it was); the
+    masker called as the runner calls it. The reader's methods run alone:
+    minivllm's own fill and apply (and xgrammar's bitmask kernel) raise
+    meanwhile, so a method that delegates to them fails. The first failure stops
     the check. Then, unless ``live=False``, SmolLM2 in the live engine with the
     class as its ``grammar_masker_cls`` and speculation on: JSON answers to two
     schemas (each parsed and its keys and types checked), a choice and an

@@ -99,8 +99,9 @@ class CpuKernels:
     def not_written(self) -> list[str]:
         """The inner loops still exercise 18's stub (``MINIVLLM_NOT_WRITTEN``): each op that calls one run once on
         a tiny input, and the loops whose op says "not written yet" (none for minivllm's own build)."""
-        q, cache, one = torch.zeros(1, 1, 8), torch.zeros(4, 1, 8), torch.ones(1, dtype=torch.int32)
-        calls = {"attend_tile": lambda: self.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+        # a table and a cache with room past the one key: a loop that reads a block too far still returns
+        q, cache, one = torch.zeros(1, 1, 8), torch.zeros(16, 1, 8), torch.ones(1, dtype=torch.int32)
+        calls = {"attend_tile": lambda: self.paged_attention(q, cache, cache, torch.zeros(1, 4, dtype=torch.int32),
                                                              one, torch.tensor([0, 1], dtype=torch.int32), 4),
                  "q4_1_block_dot": lambda: self.q4_1_linear(torch.zeros(1, QBLOCK),
                                                             torch.zeros(1, Q4_1_BYTES, dtype=torch.uint8))}

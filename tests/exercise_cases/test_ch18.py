@@ -111,6 +111,32 @@ ASSIGNS_ACC = Source(  # the block's sum assigned to the lanes, not added: only 
      "  }\n  for (int r = 0; r < rows; ++r) {\n    acc[r] = splat(0.0f);\n    acc[r][0] = sums[r];\n  }\n"
      "  // END SOLUTION\n}\n\n}  // namespace"))
 
+STATE = ("      float acc[kMaxHeadDim] = {};  // the weighted values, not yet divided by l\n"
+         "      float m = -INFINITY;          // the running maximum\n"
+         "      float l = 0.0f;               // the running sum of exp(s - m)\n")
+HEAD_LOOP = "    for (int h = 0; h < t.heads; ++h) {\n      const float* q = t.q + r * t.q_row_stride + h * D;\n"
+ROW_LOOP = "  for (int r = 0; r < t.rows; ++r) {\n"
+TABLE_READ = "t.table[first / t.block_size];"
+SMOLLM2_BUFFERS = Source(  # the buffers sized for SmolLM2 (head_dim 64, blocks of 16): a Llama 3 head overflows
+    "smollm2_buffers", ("float acc[kMaxHeadDim] = {};", "float acc[64] = {};"),
+    ("float s[kMaxBlockSize];", "float s[16];"))
+SCORES_FOR_16 = Source("scores_for_16", ("float s[kMaxBlockSize];", "float s[16];"))  # blocks of 32 overflow s
+TABLE_FAR_OFF = Source("table_far_off", (TABLE_READ, "t.table[first / t.block_size + (1 << 28)];"))  # a sure crash
+TABLE_ONE_TOO_FAR = Source("table_one_too_far", (TABLE_READ, "t.table[first / t.block_size + 1];"))
+STATE_PER_ROW = Source(  # m, l and acc set once per row: the next head goes on from the last one's sums
+    "state_per_row", (HEAD_LOOP + STATE, STATE.replace("      ", "    ") + HEAD_LOOP))
+STATE_PER_TILE = Source(  # set once per tile
+    "state_per_tile", (ROW_LOOP + HEAD_LOOP + STATE, STATE.replace("      ", "  ") + ROW_LOOP + HEAD_LOOP))
+INCLUDES_MINIVLLMS = Source(  # minivllm's own loops, included to be called
+    "includes_minivllms",
+    ('#include "inner.h"\n', '#include "inner.h"\nnamespace theirs {\n#include "inner.cpp"\n}\n'))
+KV_STRIDE_AS_DIM = Source("kv_stride_as_dim", (K_ROW, K_ROW.replace("t.kv_stride", "D")),
+                          (V_ROW, V_ROW.replace("t.kv_stride", "D")))  # slots packed as if one KV head
+THIRTY_TWO_QUANT_BYTES = Source(  # 32 quant bytes a block: reads past the block's 16 (and past x's 32 inputs)
+    "thirty_two_quant_bytes",
+    ("  for (int j = 0; j < 16; ++j) {\n    const float low", "  for (int j = 0; j < 32; ++j) {\n    const float low"))
+DOES_NOT_COMPILE = Source("does_not_compile", ("const int D = t.head_dim;", "const int D = t.head_dim"))
+
 NOT_BLOCK_END = "read to the end of its last block instead of its length"
 CHECKS = [Check("18", check_kernels, [RIGHT, RIGHT_PER_KEY], {
     "the running sum not rescaled when the maximum grows": (NO_RESCALE, (
@@ -138,6 +164,19 @@ CHECKS = [Check("18", check_kernels, [RIGHT, RIGHT_PER_KEY], {
     "Q4_0's offset of 8": (Q4_0_OFFSET, "subtracting 8 is Q4_0's rule"),
     "row r's inputs at x + 32 r": (X_STRIDE_32, ("rows at once", r"x_stride is the input width")),
     "the block's sum assigned, not added": (ASSIGNS_ACC, "only the last block counts"),
+    "buffers sized for SmolLM2, acc of 64 and s of 16": (SMOLLM2_BUFFERS, (
+        "head_dim 128", "kMaxHeadDim \\(256\\)", "float acc\\[64\\]")),
+    "scores sized for blocks of 16": (SCORES_FOR_16, ("blocks of 32", "kMaxBlockSize \\(256\\)")),
+    "the block table read far past its end: a crash": (TABLE_FAR_OFF, (
+        r"your kernel crashed \(SIG\w+\) on", "block table read past")),
+    "the block table read one block too far": (TABLE_ONE_TOO_FAR, "one decode row, 8 keys"),  # a crash, or garbage
+    "m, l and acc set once per row, not per head": (STATE_PER_ROW, ("grouped-query", "go on from one query head")),
+    "m, l and acc set once per tile": (STATE_PER_TILE, "go on from one query head"),
+    "minivllm's inner.cpp included": (INCLUDES_MINIVLLMS, ("includes minivllm's own inner.cpp",
+                                                          "the check runs your part alone")),
+    "t.kv_stride taken for head_dim": (KV_STRIDE_AS_DIM, ("grouped-query", "kv_stride, the distance between")),
+    "32 quant bytes a block": (THIRTY_TWO_QUANT_BYTES, "one block, one row"),  # its garbage: a hint, or none
+    "a compile error": (DOES_NOT_COMPILE, ("does not compile", "(?s)^((?!psabi).)*$")),  # no -Wpsabi note
 }, passes="with exactly minivllm's tokens")]
 
 if build.compiler() is None:  # every case is a C++ build
@@ -148,3 +187,25 @@ def test_the_right_answer_is_the_solution_notebooks_file():
     assert "// BEGIN SOLUTION" in SOLUTION and "MINIVLLM_NOT_WRITTEN" not in SOLUTION
     if build.compiler() is None:
         pytest.skip("no C++ compiler here: the table's variants cannot be built")
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler here")
+def test_minivllms_own_loops_are_not_written_yet():
+    from minivllm.kernels.cpu import CpuKernels
+
+    theirs = CpuKernels(build.load(build.build(build.INNER, quiet=True)), "a table of minivllm's library")
+    with pytest.raises(NotImplementedError, match="runs minivllm's own inner loops"):
+        check_kernels(theirs, live=False)
+    with pytest.raises(NotImplementedError, match="minivllm's own inner.cpp"):
+        check_kernels(build.INNER, live=False)
+
+
+@pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler here")
+def test_an_endless_loop_is_a_message(monkeypatch):
+    from minivllm.exercises import kernels
+
+    monkeypatch.setattr(kernels, "CASES_TIMEOUT", 20)
+    endless = Source("endless", ("  const int D = t.head_dim;\n",
+                                 "  const int D = t.head_dim;\n  for (volatile int i = 0; i >= 0; i += 0) {}\n"))
+    with pytest.raises(AssertionError, match=r"did not finish .* in 20 s: an endless loop"):
+        check_kernels(endless, live=False)

@@ -7,7 +7,7 @@ import torch
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.exercises import check_grammar_masker
-from minivllm.sampler import GrammarMasker, MiniGrammarMasker
+from minivllm.sampler import GrammarMasker, MiniGrammarMasker, apply_token_bitmask
 from minivllm.structured_output import INSTALL
 
 from exercise_cases import Check
@@ -223,6 +223,99 @@ class ForcesEos(MyGrammarMasker):
         return index
 
 
+# (f) a grammar that has ended, a refused draft ----------------------------------------------------------------
+
+class NoTerminatedGuard(MyGrammarMasker):
+    def fill(self, bitmask, rows):  # every position filled, the grammar ended (EOS accepted) or not
+        index = []
+        for first, grammar, drafts in rows:
+            advanced = 0
+            for i in range(len(drafts) + 1):
+                grammar.fill_bitmask(bitmask, first + i)
+                index.append(first + i)
+                if i == len(drafts) or not grammar.accept(drafts[i]):
+                    break
+                advanced += 1
+            grammar.rollback(advanced)
+        return index
+
+
+class GuardsTheSampleOnly(MyGrammarMasker):
+    def fill(self, bitmask, rows):  # a sample that has ended is skipped, but not a position after a drafted EOS
+        index = []
+        for first, grammar, drafts in rows:
+            if grammar.is_terminated():
+                index.append(first)
+                continue
+            advanced = 0
+            for i in range(len(drafts) + 1):
+                grammar.fill_bitmask(bitmask, first + i)
+                index.append(first + i)
+                if i == len(drafts) or not grammar.accept(drafts[i]):
+                    break
+                advanced += 1
+            grammar.rollback(advanced)
+        return index
+
+
+class FillsPastARefusedDraft(MyGrammarMasker):
+    def fill(self, bitmask, rows):  # after a draft the grammar refuses, the later drafts still tried and filled
+        index = []
+        for first, grammar, drafts in rows:
+            advanced = 0
+            for i in range(len(drafts) + 1):
+                if not grammar.is_terminated():
+                    grammar.fill_bitmask(bitmask, first + i)
+                index.append(first + i)
+                if i < len(drafts) and grammar.accept(drafts[i]):
+                    advanced += 1
+            grammar.rollback(advanced)
+        return index
+
+
+# (g) not in place ------------------------------------------------------------------------------------------------
+
+class RebindsLogits(MyGrammarMasker):
+    def apply(self, logits, bitmask, index):  # a new tensor, bound to the local name only
+        bits = torch.arange(32, dtype=torch.int32)
+        allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+        logits = logits.masked_fill(~allowed, float("-inf"))
+
+
+class MasksACopy(MyGrammarMasker):
+    def apply(self, logits, bitmask, index):  # logits[index] is a copy (advanced indexing): masked, then lost
+        bits = torch.arange(32, dtype=torch.int32)
+        allowed = ((bitmask[index].unsqueeze(-1) >> bits) & 1).flatten(1)[:, :logits.shape[-1]].bool()
+        logits[index].masked_fill_(~allowed, float("-inf"))
+
+
+# (h) minivllm's own part, delegated to ---------------------------------------------------------------------------
+
+class DelegatesToMinivllm(GrammarMasker):
+    def fill(self, bitmask, rows):
+        return MiniGrammarMasker.fill(self, bitmask, rows)
+
+    def apply(self, logits, bitmask, index):
+        MiniGrammarMasker.apply(self, logits, bitmask, index)
+
+
+class AppliesWithMinivllmsFunction(MyGrammarMasker):
+    def apply(self, logits, bitmask, index):  # the bit unpacking is the exercise: here, minivllm's
+        apply_token_bitmask(logits, bitmask, index)
+
+
+class AppliesWithXgrammar(MyGrammarMasker):
+    def apply(self, logits, bitmask, index):
+        import xgrammar
+
+        xgrammar.apply_token_bitmask_inplace(logits, bitmask, indices=index)
+
+
+class FillsWithMinivllmsMasker(MyGrammarMasker):
+    def fill(self, bitmask, rows):
+        return MiniGrammarMasker().fill(bitmask, rows)
+
+
 CHECKS = [] if not HAVE_XGRAMMAR else [Check("19", check_grammar_masker, [MyGrammarMasker, OneRowAtATime], {
     "renormalises the allowed logits": (Renormalises, ("token 0 is allowed, but its logit changed",
                                                        "before the sampler's temperature")),
@@ -243,6 +336,19 @@ CHECKS = [] if not HAVE_XGRAMMAR else [Check("19", check_grammar_masker, [MyGram
     "a completed grammar left whole": (SkipsCompletedGrammars, "only complete, not terminated"),
     "EOS refused at the grammar's end": (RefusesEos, "EOS refused where the grammar is complete"),
     "EOS forced at the grammar's end": (ForcesEos, "may still go on"),
+    "no is_terminated() guard": (NoTerminatedGuard, ("follows EOS", r"is_terminated\(\): EOS accepted",
+                                                     "leave such a row whole")),
+    "a drafted EOS not guarded": (GuardsTheSampleOnly, ("propose EOS", "Logits row 3 follows EOS")),
+    "later drafts tried after a refused one": (FillsPastARefusedDraft, ("comes after the draft 'no', which the "
+                                                                        "grammar refuses", "stop at the first")),
+    "a new tensor bound to the name logits": (RebindsLogits, ("logits are unchanged after apply", "in place")),
+    "masked_fill_ on logits[index], a copy": (MasksACopy, ("logits are unchanged after apply", "is a copy")),
+    "minivllm's own fill and apply called": (DelegatesToMinivllm, ("MiniGrammarMasker.apply",
+                                                                   "the check runs your part alone")),
+    "apply as minivllm's apply_token_bitmask": (AppliesWithMinivllmsFunction, (
+        "called minivllm.sampler.apply_token_bitmask", "the check runs your part alone")),
+    "apply as xgrammar's kernel": (AppliesWithXgrammar, "called xgrammar.apply_token_bitmask_inplace"),
+    "fill as minivllm's masker's": (FillsWithMinivllmsMasker, "called MiniGrammarMasker.fill"),
 }, passes="the live engine")]
 
 
