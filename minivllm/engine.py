@@ -48,7 +48,7 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence, SequenceStatus
 from minivllm.simple_generation import chat_prompt_ids
-from minivllm.structured_output import GrammarBackend
+from minivllm.structured_output import GrammarBackend, NoContinuation
 from minivllm.timing import PhaseClock, now
 
 __all__ = ["LLMEngine", "LLM", "make_engine"]
@@ -464,8 +464,8 @@ class LLMEngine:
         """End ``seq`` (and any sample still to fork from it) with an error; the rest of the batch goes on."""
         ended = [seq, *seq.forks]
         seq.forks = []
-        for s in ended:
-            s.error = f"{type(error).__name__}: {error}"
+        for s in ended:  # a constraint's own error (chapter 19) as it is: its client's fault, a 400 at the server
+            s.error = str(error) if isinstance(error, NoContinuation) else f"{type(error).__name__}: {error}"
             self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
         self.num_failed_requests += 1
         return ended

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 
 from minivllm.config import check, is_text, shown
 
-__all__ = ["StructuredOutputsParams", "GrammarBackend", "Grammar", "GrammarCompilesBusy", "import_xgrammar",
+__all__ = ["StructuredOutputsParams", "GrammarBackend", "Grammar", "GrammarCompilesBusy", "NoContinuation",
+           "import_xgrammar",
            "bitmask_words", "unsupported_json_feature", "INSTALL", "MAX_CONSTRAINT_CHARS", "MAX_CHOICES",
            "MAX_SCHEMA_DEPTH", "COMPILE_WORKERS", "MAX_COMPILES_IN_FLIGHT", "MAX_CACHED_GRAMMAR_BYTES",
            "COMPILE_TIMEOUT_S"]
@@ -361,6 +362,14 @@ class CompilePool:
             queued, self._queue = list(self._queue), deque()
         for future, _, _ in queued:
             future.cancel()
+
+
+class NoContinuation(ValueError):
+    """A constrained sample's grammar allows no next token (its mask is empty, and it may not end here)."""
+
+    def __init__(self):
+        super().__init__("structured_outputs admits no continuation of the output so far: the constraint's "
+                         "grammar allows no next token here")
 
 
 class GrammarCompilesBusy(ValueError):
