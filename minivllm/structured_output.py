@@ -430,14 +430,16 @@ class GrammarBackend:
                 done.set_result(self._compiled[key][0])
                 return done
             future = self._in_flight.get(key)
-            if future is None:
-                if len(self._in_flight) >= MAX_COMPILES_IN_FLIGHT:
-                    raise GrammarCompilesBusy(
-                        f"structured_outputs cannot be compiled now: {MAX_COMPILES_IN_FLIGHT} other constraints "
-                        f"are compiling (MAX_COMPILES_IN_FLIGHT); retry later")
-                future = self._in_flight[key] = self._pool.submit(self.build, key)
-                future.add_done_callback(lambda f, key=key: self._finished(key, f))
-            self._waiters[key] = self._waiters.get(key, 0) + 1
+            if future is not None:
+                self._waiters[key] += 1
+                return future
+            if len(self._in_flight) >= MAX_COMPILES_IN_FLIGHT:
+                raise GrammarCompilesBusy(
+                    f"structured_outputs cannot be compiled now: {MAX_COMPILES_IN_FLIGHT} other constraints "
+                    f"are compiling (MAX_COMPILES_IN_FLIGHT); retry later")
+            future = self._in_flight[key] = self._pool.submit(self.build, key)
+            self._waiters[key] = 1
+            future.add_done_callback(lambda f, key=key: self._finished(key, f))  # after: it may run at once, here
             return future
 
     def release(self, params: StructuredOutputsParams, future: Future) -> None:
