@@ -345,7 +345,8 @@ class LLMEngine:
                 self._start_grammars(request, future.result())
                 continue
             error = (self.grammar_backend().timeout_error(params) if not future.done() else
-                     "compile cancelled" if future.cancelled() else str(future.exception()))
+                     "structured_outputs: its compile was cancelled" if future.cancelled() else
+                     str(future.exception()))
             for seq in request.seqs:
                 seq.forks = []
                 seq.error = error

@@ -188,8 +188,8 @@ def _check_depth(schema) -> None:
 
 
 # What xgrammar does not enforce: vLLM's xgrammar backend refuses a schema with any of these
-# (``has_xgrammar_unsupported_json_features``, vllm/v1/structured_output/backend_xgrammar.py, vLLM main of
-# 2026-06, commit 030141c: multipleOf, uniqueItems, contains, minContains, maxContains, an unsupported string
+# (``has_xgrammar_unsupported_json_features``, vllm/v1/structured_output/backend_xgrammar.py at vLLM commit
+# 030141c: multipleOf, uniqueItems, contains, minContains, maxContains, an unsupported string
 # format, a pattern or format beside minLength/maxLength, propertyNames beside properties, patternProperties
 # beside properties or more than one). minivllm refuses them wherever they stand (vLLM only under the matching
 # "type"), and also what xgrammar 0.2.9 accepts and then ignores: "not", "if"/"then"/"else",

@@ -330,7 +330,7 @@ def test_schema_keywords_xgrammar_does_not_enforce_are_refused_by_name(schema, k
     xgrammar's internal "Check failed" text at compile time."""
     with pytest.raises(ValueError, match=r"^structured_outputs\.json .*" + keyword):
         StructuredOutputsParams(json=schema)
-    StructuredOutputsParams(json={"type": "object", "properties": {"not": {"type": "integer"}}})  # a name, not a keyword
+    StructuredOutputsParams(json={"type": "object", "properties": {"not": {"type": "integer"}}})  # a name here
 
 
 def test_deep_schemas_are_a_value_error_naming_the_limit_never_a_recursion_error():
