@@ -96,7 +96,7 @@ class OpenAIServing:
         finally:
             watch.cancel()
             backend.release(so, future)
-        if not work.done():
+        if not work.done() or work.cancelled():
             if watch.done() and not watch.cancelled():
                 raise APIError(499, "client closed the request", None, "client_closed_request")
             raise APIError(400, backend.timeout_error(so).replace("structured_outputs", field, 1), field)
