@@ -363,3 +363,35 @@ def test_a_mask_with_no_token_mid_output_is_a_400_saying_so_never_a_500(app, mon
                                               "structured_outputs": {"regex": "[a-z]{5,8}"}})
         assert r.status_code == 400, r.text
         assert "structured_outputs admits no continuation" in r.json()["error"]["message"], r.text
+
+
+def test_a_client_that_leaves_while_its_grammar_is_queued_cancels_the_compile(app, slow_compiles):
+    """Before: the compile ran on in a worker thread, and its abandoned request was queued when it ended."""
+    import asyncio
+
+    from minivllm import SamplingParams, StructuredOutputsParams
+    from minivllm.serving.protocol import APIError
+    from minivllm.structured_output import COMPILE_WORKERS
+    serving = app.app.state.serving
+    backend = serving.engine.grammar_backend()
+    holding = [StructuredOutputsParams(regex=f"[a-z]+-hold-{i}") for i in range(COMPILE_WORKERS)]
+    futures = [backend.submit(so) for so in holding]  # every worker busy: the next compile queues
+    for _ in range(2400):  # a bounded wait for the workers to take them, not a timing
+        if slow_compiles.calls == COMPILE_WORKERS:
+            break
+        time.sleep(0.05)
+
+    class Gone:  # the client has left: the next message is the disconnect
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    so = StructuredOutputsParams(regex="[a-z]+-left")
+    with pytest.raises(APIError) as refused:
+        asyncio.run(serving.compiled(SamplingParams(structured_outputs=so), "structured_outputs", Gone()))
+    assert refused.value.status == 499
+    assert so.key not in backend._in_flight  # cancelled before any worker took it
+    slow_compiles.set()
+    for params, future in zip(holding, futures):
+        future.result(300)
+        backend.release(params, future)
+    assert slow_compiles.calls == COMPILE_WORKERS  # the left client's grammar never compiled
