@@ -22,6 +22,13 @@ vLLM's split is the same: ``vllm/v1/structured_output/backend_xgrammar.py``
 drafts included) and applied to the logits by ``apply_grammar_bitmask``
 (``vllm/v1/structured_output/utils.py``) in the GPU model runner.
 
+Hostile constraints: a schema keyword xgrammar would not enforce, or nesting
+past :data:`MAX_SCHEMA_DEPTH`, is refused by name when the params are made;
+a grammar compiles in :class:`GrammarBackend`'s bounded pool under a time
+limit, never on a caller's thread; a grammar no token can begin is refused
+when compiled, and a mask that later admits no token ends its request
+(:class:`NoContinuation`).
+
 Plan layer: pure Python. xgrammar is imported only when a constraint is
 used, so everything else works without it; a constraint without it is a
 ``ValueError`` that says what to install (:data:`INSTALL`).
