@@ -395,3 +395,33 @@ def test_a_client_that_leaves_while_its_grammar_is_queued_cancels_the_compile(ap
         future.result(300)
         backend.release(params, future)
     assert slow_compiles.calls == COMPILE_WORKERS  # the left client's grammar never compiled
+
+
+def test_health_answers_while_a_json_schema_is_parsed(app, monkeypatch):
+    """Before: a schema was checked and parsed on the event loop (four 12 KB schemas stalled /health for 12 s)."""
+    from minivllm import structured_output
+    release, parsing, real = threading.Event(), threading.Event(), structured_output._parse
+
+    def slow_parse(key):
+        if "slow-parse" in key[1]:
+            parsing.set()
+            assert release.wait(300), "the test never released the parse"
+        return real(key)
+
+    monkeypatch.setattr(structured_output, "_parse", slow_parse)
+    results = {}
+    body = {"prompt": "Hi", "max_tokens": 4, "structured_outputs": {"json": {
+        "type": "object", "properties": {"slow-parse": {"type": "integer"}}, "required": ["slow-parse"]}}}
+    waiting = threading.Thread(target=lambda: results.setdefault("constrained", app.post("/v1/completions",
+                                                                                          json=body)))
+    waiting.start()
+    try:
+        assert parsing.wait(300)
+        served = threading.Event()
+        threading.Thread(target=lambda: (results.setdefault("health", app.get("/health")), served.set())).start()
+        assert served.wait(300), "/health waited for the schema's parse"
+        assert results["health"].status_code == 200 and waiting.is_alive()
+    finally:
+        release.set()
+    waiting.join(300)
+    assert results["constrained"].status_code == 200, results["constrained"].text
