@@ -415,7 +415,7 @@ class LLMEngine:
 
     def _run_step(self) -> list:
         ended = self._admit_grammars()
-        if not self.scheduler.has_unfinished():  # nothing to run (grammars compiling, or nothing at all)
+        if (ended or self.compiling) and not self.scheduler.has_unfinished():  # only grammars compiling, or failed
             return self._outputs(ended)
         clock = PhaseClock(self.runner.device, sync=self.sync_phase_timing)
         out = self.scheduler.schedule()
