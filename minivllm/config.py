@@ -152,6 +152,10 @@ class EngineConfig:
     priority (lower runs first), improved by ``priority_aging_rate`` per step
     waited.
 
+    Structured outputs (chapter 19): a request's grammar compiles in a worker
+    thread while it waits; one that takes longer than
+    ``structured_outputs_timeout_s`` seconds ends its request with that error.
+
     Extension points (as vLLM's ``scheduler_cls``): ``scheduler_cls``,
     ``block_manager_cls``, ``attention_backend`` (the paged KV cache class),
     ``sampler``, ``detokenizer`` (the incremental detokenizer class),
@@ -229,6 +233,7 @@ class EngineConfig:
     preemption_protection_steps: int = 4
     scheduling_policy: str = "fcfs"
     priority_aging_rate: float = 0.0
+    structured_outputs_timeout_s: float = 30.0
     device: str | None = None
     dtype: str = "auto"
     seed: int = 0
@@ -275,6 +280,8 @@ class EngineConfig:
         check(is_number(self.admission_watermark) and 0 <= self.admission_watermark < 1, "admission_watermark", "in [0, 1)", self.admission_watermark)
         check(is_int(self.preemption_protection_steps) and self.preemption_protection_steps >= 0, "preemption_protection_steps", "an integer >= 0", self.preemption_protection_steps)
         check(is_number(self.priority_aging_rate) and self.priority_aging_rate >= 0, "priority_aging_rate", "a number >= 0", self.priority_aging_rate)
+        check(is_number(self.structured_outputs_timeout_s) and self.structured_outputs_timeout_s > 0,
+              "structured_outputs_timeout_s", "a number of seconds > 0", self.structured_outputs_timeout_s)
         check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
         check(self.device is None or str(self.device).split(":")[0] in available_devices(), "device",
               f"None or one available here: {available_devices()}", self.device)

@@ -26,6 +26,8 @@ import itertools
 import threading
 import weakref
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from typing import Iterator
 
@@ -46,12 +48,13 @@ from minivllm.sampling_params import SamplingParams
 from minivllm.scheduler import SchedulerOutput
 from minivllm.sequence import Sequence, SequenceStatus
 from minivllm.simple_generation import chat_prompt_ids
-from minivllm.structured_output import GrammarBackend
-from minivllm.timing import PhaseClock
+from minivllm.structured_output import GrammarBackend, NoContinuation
+from minivllm.timing import PhaseClock, now
 
 __all__ = ["LLMEngine", "LLM", "make_engine"]
 
 MAX_PRIORITY = 2**63  # priorities are integers in (-MAX_PRIORITY, MAX_PRIORITY)
+GRAMMAR_POLL_S = 0.05  # with only grammars compiling, a step waits this long at most for one (off the lock)
 
 
 @dataclass
@@ -64,6 +67,8 @@ class Request:
     seqs: list[Sequence]
     texts: list[OutputText]
     inbox: deque | None = None  # outputs collected for the LLM call that owns it (None: LLMEngine.step's)
+    grammar: Future | None = None  # its constraint compiling (chapter 19): the request waits outside the scheduler
+    grammar_deadline: float = 0.0  # when that compile's time limit ends it
 
     @property
     def finished(self) -> bool:
@@ -97,6 +102,7 @@ class LLMEngine:
         self.last_step_phases: dict[str, float] = {}  # seconds per phase of the latest step (chapter 12)
         self.sync_phase_timing = False  # on a GPU, wait for the device at each phase boundary
         self._grammar_backend: GrammarBackend | None = None  # built at the first constrained request (chapter 19)
+        self.compiling: dict[str, Request] = {}  # requests waiting for their grammar (WAITING_FOR_GRAMMAR)
 
     def _build(self, config: EngineConfig) -> None:
         """The model (or rank 0's shard), the pool sizes, block manager, scheduler and runner."""
@@ -200,14 +206,20 @@ class LLMEngine:
                 if self._grammar_backend is None:
                     spec = self.config.speculative_config
                     self._grammar_backend = GrammarBackend(self.tokenizer, self.vocab_size, self._eos_token_ids(),
-                                                           spec.num_speculative_tokens + 1 if spec else 1)
+                                                           spec.num_speculative_tokens + 1 if spec else 1,
+                                                           self.config.structured_outputs_timeout_s)
         return self._grammar_backend
 
     def compile_constraint(self, params: SamplingParams) -> None:
-        """Compile ``params``' constraint now (cached; a ValueError naming ``structured_outputs`` if it fails).
-        :meth:`validate_request` calls it; the server calls it first in a worker thread, off the engine loop."""
+        """Compile ``params``' constraint now, waiting here at most ``structured_outputs_timeout_s`` (cached; a
+        ValueError naming ``structured_outputs`` if it fails or takes longer). Never under the engine's lock:
+        requests compile theirs in the grammar backend's pool while they wait (:meth:`add_request`)."""
         if params.structured_outputs is not None:
-            self.grammar_backend().compile(params.structured_outputs)
+            backend = self.grammar_backend()
+            try:
+                backend.compile(params.structured_outputs, backend.compile_timeout_s)
+            except TimeoutError:
+                raise ValueError(backend.timeout_error(params.structured_outputs)) from None
 
     def parse_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """A prompt in one of vLLM's forms (text, token ids, ``{"prompt": ...}``, ``{"prompt_token_ids": ...}``).
@@ -264,8 +276,7 @@ class LLMEngine:
         if not self.config.enable_chunked_prefill and len(ids) > self.config.max_num_batched_tokens:
             raise ValueError(f"prompt length ({len(ids)}) must be <= max_num_batched_tokens "
                              f"({self.config.max_num_batched_tokens}) when enable_chunked_prefill is False")
-        self.compile_constraint(params)  # last: the cheap checks first; cached, so add_request compiles once
-        return text, ids
+        return text, ids  # the constraint was checked when made; it compiles after add_request, off the lock
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> Sequence:
@@ -273,6 +284,13 @@ class LLMEngine:
 
         The engine keeps its own copy of ``params``. Returns the request's
         first sequence (with ``n > 1``, the others fork from it).
+
+        A constrained request (chapter 19) whose grammar is not cached yet
+        waits in ``WAITING_FOR_GRAMMAR``, outside the scheduler, while the
+        grammar backend's pool compiles it and the other requests run (as
+        vLLM's ``WAITING_FOR_FSM``); each step admits the ones whose grammar
+        is ready, and ends with ``finish_reason`` "error" the ones whose
+        compile failed or passed ``structured_outputs_timeout_s``.
         """
         with self.lock:
             return self._add(request_id, prompt, params, priority, arrival_time)
@@ -281,20 +299,72 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         text, ids = self.validate_request(request_id, prompt, params, priority, arrival_time)
         params = params.clone()
+        grammar = None if params.structured_outputs is None else self.grammar_backend().submit(
+            params.structured_outputs)  # the last check: a full compile pool refuses it (GrammarCompilesBusy)
         seqs = [Sequence(request_id, ids, params.for_sample(i), priority, arrival_time, text, index=i)
                 for i in range(params.n)]
         for seq in seqs:
-            if params.structured_outputs is not None:  # each sample its own matcher (chapter 19)
-                seq.grammar = self.grammar_backend().grammar(params.structured_outputs)
             if seq.params.seed is not None:
                 seq.generator = torch.Generator(device=self.runner.device).manual_seed(seq.params.seed)
             seq.metrics.arrival_time = seqs[0].metrics.arrival_time
         seqs[0].forks = seqs[1:]
         texts = [OutputText(self.tokenizer, ids, params.stop, params.include_stop_str_in_output, self.detokenizer_cls)
                  for _ in seqs]
-        self.requests[request_id] = Request(request_id, text, ids, seqs, texts, inbox)
-        self.scheduler.add(seqs[0])
+        request = self.requests[request_id] = Request(request_id, text, ids, seqs, texts, inbox)
+        if grammar is None:
+            self.scheduler.add(seqs[0])
+        elif grammar.done() and not grammar.cancelled() and grammar.exception() is None:  # cached
+            self._start_grammars(request, grammar.result())
+        else:
+            for seq in seqs:
+                seq.status = SequenceStatus.WAITING_FOR_GRAMMAR
+            request.grammar, request.grammar_deadline = grammar, now() + self.grammar_backend().compile_timeout_s
+            self.compiling[request_id] = request
         return seqs[0]
+
+    def _start_grammars(self, request: Request, compiled) -> None:
+        """Each sample its own matcher of the compiled grammar (chapter 19); the request joins the queue."""
+        backend = self.grammar_backend()
+        for seq in request.seqs:
+            seq.grammar = backend.grammar(seq.params.structured_outputs, compiled)
+            seq.status = SequenceStatus.WAITING
+        self.scheduler.add(request.seqs[0])
+
+    def _admit_grammars(self) -> list[Sequence]:
+        """Requests whose grammar is ready join the queue; those whose compile failed, or passed its time limit,
+        end with the error (returned: their samples, for outputs). A compile still running goes on."""
+        ended = []
+        for request_id, request in list(self.compiling.items()):
+            future, params = request.grammar, request.seqs[0].params.structured_outputs
+            if not future.done() and now() < request.grammar_deadline:
+                continue
+            del self.compiling[request_id]
+            request.grammar = None
+            self.grammar_backend().release(params, future)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._start_grammars(request, future.result())
+                continue
+            error = (self.grammar_backend().timeout_error(params) if not future.done() else
+                     "structured_outputs: its compile was cancelled" if future.cancelled() else
+                     str(future.exception()))
+            for seq in request.seqs:
+                seq.forks = []
+                seq.error = error
+                seq.status = SequenceStatus.FINISHED_ERROR
+                seq.metrics.finish_time = now()
+            self.num_failed_requests += 1
+            ended.extend(request.seqs)
+        return ended
+
+    def _await_grammars(self) -> None:
+        """With nothing to run but grammars compiling, wait (without the lock) until one is ready, its time
+        limit ends, or ``GRAMMAR_POLL_S`` passes: a caller's loop does not spin while they compile."""
+        with self.lock:
+            if not self.compiling or self.scheduler.has_unfinished() or self._held:
+                return
+            futures = [r.grammar for r in self.compiling.values()]
+            deadline = min(r.grammar_deadline for r in self.compiling.values())
+        wait_futures(futures, timeout=max(0.0, min(GRAMMAR_POLL_S, deadline - now())), return_when=FIRST_COMPLETED)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request in any state and free every block it holds (unknown ids are ignored).
@@ -305,6 +375,9 @@ class LLMEngine:
             request = self.requests.get(request_id)
             if request is None:
                 return
+            if self.compiling.pop(request_id, None) is not None:  # its compile is cancelled if nobody else waits
+                self.grammar_backend().release(request.seqs[0].params.structured_outputs, request.grammar)
+                request.grammar = None
             for seq in request.seqs:
                 if not seq.is_finished:
                     self.scheduler.abort(seq)
@@ -322,8 +395,10 @@ class LLMEngine:
         """Schedule, run one forward, sample; a RequestOutput for every request that got a token.
 
         Requests owned by an ``LLM`` call are not reported here: their outputs
-        go to that call.
+        go to that call. With only grammars compiling, it first waits for one
+        (briefly, off the lock).
         """
+        self._await_grammars()
         with self.lock:
             held, self._held = self._held, []
             return held + self._step()
@@ -339,6 +414,9 @@ class LLMEngine:
         return outputs
 
     def _run_step(self) -> list:
+        ended = self._admit_grammars()
+        if (ended or self.compiling) and not self.scheduler.has_unfinished():  # only grammars compiling, or failed
+            return self._outputs(ended)
         clock = PhaseClock(self.runner.device, sync=self.sync_phase_timing)
         out = self.scheduler.schedule()
         clock.mark("schedule")
@@ -352,7 +430,7 @@ class LLMEngine:
         drafts = [result.num_accepted] if result.num_accepted else []  # a step that verified drafts (chapter 17)
         produced = self.scheduler.update(out, result.token_ids, result.logprobs, *drafts)
         clock.mark("update")
-        outputs = self._outputs(produced + failed)
+        outputs = self._outputs(ended + produced + failed)
         clock.mark("detokenize")
         self.num_steps += 1
         self.last_schedule = out
@@ -387,8 +465,8 @@ class LLMEngine:
         """End ``seq`` (and any sample still to fork from it) with an error; the rest of the batch goes on."""
         ended = [seq, *seq.forks]
         seq.forks = []
-        for s in ended:
-            s.error = f"{type(error).__name__}: {error}"
+        for s in ended:  # a constraint's own error (chapter 19) as it is: its client's fault, a 400 at the server
+            s.error = str(error) if isinstance(error, NoContinuation) else f"{type(error).__name__}: {error}"
             self.scheduler.finish(s, SequenceStatus.FINISHED_ERROR)
         self.num_failed_requests += 1
         return ended
@@ -466,7 +544,7 @@ class LLMEngine:
             return EngineStats(
                 num_running=sum(s.status == SequenceStatus.RUNNING for s in running),
                 num_prefilling=sum(s.status == SequenceStatus.PREFILLING for s in running),
-                num_waiting=len(self.scheduler.waiting),
+                num_waiting=len(self.scheduler.waiting) + len(self.compiling),  # as vLLM's WAITING_FOR_FSM
                 num_swapped=len(self.scheduler.swapped),
                 num_free_blocks=bm.num_free_blocks,
                 num_total_blocks=bm.num_blocks,
@@ -597,6 +675,7 @@ class LLM:
     def _next_outputs(self, rid: str) -> list[RequestOutput]:
         """``rid``'s outputs so far, running one engine step first if there are none yet."""
         engine = self.engine
+        engine._await_grammars()  # off the lock: another thread's requests run meanwhile
         with engine.lock:
             inbox = self._inboxes[rid]
             if not inbox:

@@ -38,6 +38,7 @@ from minivllm.sampler import MiniGrammarMasker, MiniSampler, SamplerOutput, veri
 from minivllm.scheduler import ScheduledChunk, SchedulerOutput
 from minivllm.sequence import Sequence
 from minivllm.spec_decode import accept_greedy
+from minivllm.structured_output import NoContinuation
 
 
 def _noop_mark(name: str) -> None:
@@ -163,12 +164,18 @@ class ModelRunner:
         draft is rejected at its own position, where its mask forbids it.
         The runner's ``grammar_masker`` does it (an extension point, exercise
         19: minivllm's own is :class:`~minivllm.sampler.MiniGrammarMasker`).
+        A row the mask leaves no token (a constraint with a dead end) raises
+        :class:`~minivllm.structured_output.NoContinuation` rather than sample
+        from nothing (a NaN, or token 0): the engine ends that request alone.
         """
         rows = self.grammar_rows(chunks)
         if not rows:
             return False
         mark("sample")
         self.grammar_masker(logits, rows)
+        index = [r + i for r, _, drafts in rows for i in range(len(drafts) + 1)]
+        if torch.isneginf(logits[index]).all(dim=-1).any():
+            raise NoContinuation()
         mark("grammar")
         return True
 

@@ -43,8 +43,9 @@ class SamplingParams:
     whose bitmask is applied to the logits before its sampler computes them).
     ``structured_outputs`` (a :class:`StructuredOutputsParams`, chapter 19)
     constrains the output to a JSON schema, a regex, a choice or a grammar;
-    it is checked when made, and compiled by the engine before the request is
-    queued. A constrained sample ends when its grammar does (EOS where the
+    it is checked when made, and compiled in the engine's grammar pool while
+    the request waits (``WAITING_FOR_GRAMMAR``, the others running; at most
+    ``structured_outputs_timeout_s``). A constrained sample ends when its grammar does (EOS where the
     grammar may end, ``ignore_eos`` or not); cut short by ``max_tokens`` its
     finish reason is "length".
 

@@ -30,6 +30,7 @@ from minivllm.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # its constraint compiling, outside the scheduler (chapter 19)
     WAITING = "waiting"
     PREFILLING = "prefilling"
     RUNNING = "running"

@@ -9,6 +9,7 @@ last tests run the app in this process to break it on purpose mid-stream.
 """
 
 import json
+import re
 import socket
 import threading
 import time
@@ -244,3 +245,183 @@ def test_a_value_error_in_a_handler_is_a_400_naming_the_field_never_a_500(app, m
     events = sse_events(app.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "stream": True})
                         .text.splitlines())
     assert events[-1] == "[DONE]" and events[-2]["error"]["param"] == "logprobs", events
+
+
+# -- structured outputs under hostile input (issue 65) -------------------------------------------------------------
+def deep_items(depth: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("extra, param, says", [
+    ({"structured_outputs": {"json": deep_items(480)}}, "structured_outputs", "nest objects and arrays at most 64"),
+    ({"structured_outputs": {"json": '{"type": "array", "items": ' * 1100 + "{}" + "}" * 1100}},
+     "structured_outputs", "at most 64"),
+    ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs",
+     '"uniqueItems"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "string", "minLength": -5}}}}, "response_format", '"minLength" -5'),
+    ({"structured_outputs": {"json_object": 1}}, "structured_outputs", "json_object must be None, True or False"),
+    ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs", "admits no output"),
+    ({"structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs", "admits no output"),
+])
+def test_hostile_constraints_are_a_400_naming_the_field_and_the_connection_lives_on(server, extra, param, says):
+    """Before: 500s (has_surrogate's recursion, json.loads' RecursionError, a mask with no token), "Check failed"
+    text, or accepted and not enforced; after a 500 the keep-alive connection was reset in 2 of 3 tries."""
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        r = c.post("/v1/chat/completions", json={"messages": json.loads(USER), "max_tokens": 4, **extra})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and says in r.json()["error"]["message"], r.text
+        ok = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})  # the same connection
+        assert ok.status_code == 200, ok.text
+
+
+@pytest.fixture
+def slow_compiles(monkeypatch):
+    """Every compile (xgrammar's ``GrammarCompiler.compile_grammar``) blocks until the test sets the returned
+    event, then compiles for real."""
+    xgr = pytest.importorskip("xgrammar")
+    release, real = threading.Event(), xgr.GrammarCompiler.compile_grammar
+
+    def compile_grammar(self, grammar, *args, **kwargs):
+        release.calls += 1
+        assert release.wait(300), "the test never released the compile"
+        return real(self, grammar, *args, **kwargs)
+
+    release.calls = 0
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_grammar", compile_grammar)
+    yield release
+    release.set()
+
+
+def test_plain_requests_are_served_while_constrained_ones_wait_for_their_grammars(app, slow_compiles):
+    """Before: each compile took a thread of the default pool (six of them on two cores) until it ended, so
+    /tokenize and every other worker-thread job waited for the slowest grammar. Now the compiles wait in their
+    own pool, at most MAX_COMPILES_IN_FLIGHT of them (one more is a 429), and nothing else waits on them."""
+    from minivllm.structured_output import MAX_COMPILES_IN_FLIGHT
+    results = {}
+
+    def post(i):
+        body = {"prompt": "Hi", "max_tokens": 16, "temperature": 0,
+                "structured_outputs": {"regex": f"[0-9]{{2}}-served-{i}"}}
+        results[i] = app.post("/v1/completions", json=body)
+
+    waiting = [threading.Thread(target=post, args=(i,)) for i in range(MAX_COMPILES_IN_FLIGHT)]
+    for t in waiting:
+        t.start()
+    for _ in range(2400):  # a bounded wait for the compiles to be in flight, not a timing
+        if slow_compiles.calls >= 2:
+            break
+        time.sleep(0.05)
+    served = threading.Event()
+
+    def plain():
+        results["tokenize"] = app.post("/tokenize", json={"prompt": "Hello there"})
+        results["plain"] = app.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8})
+        results["health"] = app.get("/health")
+        served.set()
+
+    threading.Thread(target=plain).start()
+    assert served.wait(300), "the plain requests waited for the grammars"
+    assert results["tokenize"].status_code == 200 and results["health"].status_code == 200
+    assert results["plain"].status_code == 200 and results["plain"].json()["choices"][0]["finish_reason"] == "length"
+    busy = app.post("/v1/completions", json={"prompt": "Hi", "structured_outputs": {"regex": "[a-z]+-busy"}})
+    assert busy.status_code == 429 and "MAX_COMPILES_IN_FLIGHT" in busy.json()["error"]["message"], busy.text
+    assert all(t.is_alive() for t in waiting) and not set(results) & set(range(MAX_COMPILES_IN_FLIGHT))
+    slow_compiles.set()
+    for t in waiting:
+        t.join(300)
+    for i in range(MAX_COMPILES_IN_FLIGHT):
+        r = results[i]
+        assert r.status_code == 200 and re.fullmatch(f"[0-9]{{2}}-served-{i}", r.json()["choices"][0]["text"]), r.text
+
+
+def test_a_compile_past_its_time_limit_is_a_400_naming_the_limit(app, slow_compiles, monkeypatch):
+    backend = app.app.state.serving.engine.grammar_backend()
+    monkeypatch.setattr(backend, "compile_timeout_s", 0.5)
+    r = app.post("/v1/chat/completions", json={"messages": json.loads(USER), "max_tokens": 4,
+                                                "structured_outputs": {"regex": "[a-z]+-never-compiles"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
+    assert "limit of 0.5 s (EngineConfig.structured_outputs_timeout_s)" in r.json()["error"]["message"], r.text
+    assert app.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_mask_with_no_token_mid_output_is_a_400_saying_so_never_a_500(app, monkeypatch):
+    from minivllm.structured_output import Grammar
+    real = Grammar.fill_bitmask
+
+    def dead_after_two(self, bitmask, row):  # the grammar reaches a state with no way on after two tokens
+        real(self, bitmask, row)
+        if self.num_accepted >= 2:
+            bitmask[row] = 0
+
+    monkeypatch.setattr(Grammar, "fill_bitmask", dead_after_two)
+    for temperature in (0, 1):
+        r = app.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "temperature": temperature,
+                                              "structured_outputs": {"regex": "[a-z]{5,8}"}})
+        assert r.status_code == 400, r.text
+        assert "structured_outputs admits no continuation" in r.json()["error"]["message"], r.text
+
+
+def test_a_client_that_leaves_while_its_grammar_is_queued_cancels_the_compile(app, slow_compiles):
+    """Before: the compile ran on in a worker thread, and its abandoned request was queued when it ended."""
+    import asyncio
+
+    from minivllm import SamplingParams, StructuredOutputsParams
+    from minivllm.serving.protocol import APIError
+    from minivllm.structured_output import COMPILE_WORKERS
+    serving = app.app.state.serving
+    backend = serving.engine.grammar_backend()
+    holding = [StructuredOutputsParams(regex=f"[a-z]+-hold-{i}") for i in range(COMPILE_WORKERS)]
+    futures = [backend.submit(so) for so in holding]  # every worker busy: the next compile queues
+    for _ in range(2400):  # a bounded wait for the workers to take them, not a timing
+        if slow_compiles.calls == COMPILE_WORKERS:
+            break
+        time.sleep(0.05)
+
+    class Gone:  # the client has left: the next message is the disconnect
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    so = StructuredOutputsParams(regex="[a-z]+-left")
+    with pytest.raises(APIError) as refused:
+        asyncio.run(serving.compiled(SamplingParams(structured_outputs=so), "structured_outputs", Gone()))
+    assert refused.value.status == 499
+    assert so.key not in backend._in_flight  # cancelled before any worker took it
+    slow_compiles.set()
+    for params, future in zip(holding, futures):
+        future.result(300)
+        backend.release(params, future)
+    assert slow_compiles.calls == COMPILE_WORKERS  # the left client's grammar never compiled
+
+
+def test_health_answers_while_a_json_schema_is_parsed(app, monkeypatch):
+    """Before: a schema was checked and parsed on the event loop (four 12 KB schemas stalled /health for 12 s)."""
+    from minivllm import structured_output
+    release, parsing, real = threading.Event(), threading.Event(), structured_output._parse
+
+    def slow_parse(key):
+        if "slow-parse" in key[1]:
+            parsing.set()
+            assert release.wait(300), "the test never released the parse"
+        return real(key)
+
+    monkeypatch.setattr(structured_output, "_parse", slow_parse)
+    results = {}
+    body = {"prompt": "Hi", "max_tokens": 4, "structured_outputs": {"json": {
+        "type": "object", "properties": {"slow-parse": {"type": "integer"}}, "required": ["slow-parse"]}}}
+    waiting = threading.Thread(target=lambda: results.setdefault("constrained", app.post("/v1/completions",
+                                                                                          json=body)))
+    waiting.start()
+    try:
+        assert parsing.wait(300)
+        served = threading.Event()
+        threading.Thread(target=lambda: (results.setdefault("health", app.get("/health")), served.set())).start()
+        assert served.wait(300), "/health waited for the schema's parse"
+        assert results["health"].status_code == 200 and waiting.is_alive()
+    finally:
+        release.set()
+    waiting.join(300)
+    assert results["constrained"].status_code == 200, results["constrained"].text

@@ -301,3 +301,174 @@ def test_the_structured_benchmark_reports_validity_and_the_grammars_share(tiny_l
     assert structured_main(["--model", "tiny-random", "--batch-sizes", "2", "--output-tokens", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert any(line.split()[:2] == ["2", "on"] for line in lines) and any("TPOT on/off" in line for line in lines)
+
+
+# -- hostile constraints (issue 65): refused by name, never a 500, never a stall ----------------------------------
+def nested(depth: int) -> dict:
+    schema = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize("schema,keyword", [
+    ({"type": "array", "uniqueItems": True}, '"uniqueItems"'),
+    ({"not": {"type": "string"}}, '"not"'),
+    ({"type": "array", "contains": {"const": 1}}, '"contains"'),
+    ({"type": "integer", "multipleOf": 3}, '"multipleOf"'),
+    ({"allOf": [{"type": "string"}, {"type": "integer"}]}, '"allOf" of 2'),
+    ({"$ref": "http://example.com/x.json"}, '"\\$ref" outside the schema'),
+    ({"type": []}, 'empty "type"'),
+    ({"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}},
+     r'"uniqueItems" \(at #/properties/tags\)'),
+    ({"type": "string", "format": "credit-card"}, '"format"'),
+    ({"type": "string", "minLength": -5}, '"minLength" -5'),
+    ({"type": "array", "maxItems": 2.5}, '"maxItems" 2.5'),
+])
+def test_schema_keywords_xgrammar_does_not_enforce_are_refused_by_name(schema, keyword):
+    """Before: accepted, and 12 of 28 outputs broke their schema ([1, 2, 2] under uniqueItems); minLength -5 was
+    xgrammar's internal "Check failed" text at compile time."""
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json .*" + keyword):
+        StructuredOutputsParams(json=schema)
+    StructuredOutputsParams(json={"type": "object", "properties": {"not": {"type": "integer"}}})  # a name here
+
+
+def test_deep_schemas_are_a_value_error_naming_the_limit_never_a_recursion_error():
+    from minivllm.structured_output import MAX_SCHEMA_DEPTH
+    StructuredOutputsParams(json=nested(MAX_SCHEMA_DEPTH - 1))
+    as_text = '{"type": "array", "items": ' * 1100 + '{"type": "integer"}' + "}" * 1100  # json.loads: RecursionError
+    for schema in (nested(MAX_SCHEMA_DEPTH), nested(480), as_text, "[" * 1100 + "]" * 1100):
+        with pytest.raises(ValueError, match=rf"structured_outputs.json must nest .* at most {MAX_SCHEMA_DEPTH}"):
+            StructuredOutputsParams(json=schema)
+
+
+def test_json_object_takes_only_a_real_bool():
+    for value in (1, 0, 1.0):
+        with pytest.raises(ValueError, match="structured_outputs.json_object must be None, True or False"):
+            StructuredOutputsParams(json_object=value)
+
+
+@pytest.mark.parametrize("fields", [dict(regex=r"[^\s\S]"), dict(grammar="root ::= root")])
+def test_a_constraint_no_output_satisfies_ends_its_request_with_that_error(tiny_llm, fields):
+    """Before: it built, then failed "token 0 is not allowed" (greedy) or with a NaN from sampling."""
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=3)):
+        p = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**fields), **sampling)
+        bad, plain = tiny_llm.generate(["Hi", "Hi"], [p, SamplingParams(max_tokens=4, **sampling)], use_tqdm=False)
+        assert bad.outputs[0].finish_reason == "error" and "admits no output" in bad.error, bad.error
+        assert plain.outputs[0].finish_reason == "length"
+
+
+def test_a_mask_that_admits_no_token_mid_output_ends_the_request_saying_so(tiny_llm, monkeypatch):
+    from minivllm.structured_output import Grammar
+    real = Grammar.fill_bitmask
+
+    def dead_after_two(self, bitmask, row):  # the grammar reaches a state with no way on after two tokens
+        real(self, bitmask, row)
+        if self.num_accepted >= 2:
+            bitmask[row] = 0
+
+    monkeypatch.setattr(Grammar, "fill_bitmask", dead_after_two)
+    for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=3)):
+        p = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{5,8}"), **sampling)
+        bad, plain = tiny_llm.generate(["Hi", "Hi"], [p, SamplingParams(max_tokens=8, **sampling)], use_tqdm=False)
+        assert bad.outputs[0].finish_reason == "error", bad
+        assert bad.error.startswith("structured_outputs admits no continuation"), bad.error
+        assert len(bad.outputs[0].token_ids) == 2 and plain.outputs[0].finish_reason == "length"
+
+
+# -- compiling off the step (issue 65, item 3) ---------------------------------------------------------------------
+@pytest.fixture
+def slow_compiles(monkeypatch):
+    """Every compile (xgrammar's ``GrammarCompiler.compile_grammar``) blocks until the test sets the returned
+    event, then compiles for real; ``calls`` counts them."""
+    import threading
+    release, calls, real = threading.Event(), [], xgr.GrammarCompiler.compile_grammar
+
+    def compile_grammar(self, grammar, *args, **kwargs):
+        calls.append(grammar)
+        assert release.wait(300), "the test never released the compile"
+        return real(self, grammar, *args, **kwargs)
+
+    monkeypatch.setattr(xgr.GrammarCompiler, "compile_grammar", compile_grammar)
+    release.calls = calls
+    yield release
+    release.set()
+
+
+def wait_for(condition, what: str):
+    import time
+    for _ in range(2400):  # a bounded wait for a state, not a timing
+        if condition():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"never happened: {what}")
+
+
+def test_a_plain_request_finishes_while_a_constrained_one_waits_for_its_grammar(tiny_llm, slow_compiles):
+    """Before: LLM compiled under the engine lock, so the plain request waited for the whole compile."""
+    import threading
+    engine = tiny_llm.engine
+    so = StructuredOutputsParams(regex="[0-9]{3}-slow-offline")
+    results = {}
+    constrained = threading.Thread(target=lambda: results.setdefault("constrained", tiny_llm.generate(
+        ["Hi"], SamplingParams(max_tokens=32, temperature=0, structured_outputs=so), use_tqdm=False)))
+    constrained.start()
+    wait_for(lambda: engine.compiling, "the constrained request waits for its grammar")
+    (request,) = engine.compiling.values()
+    assert all(s.status.name == "WAITING_FOR_GRAMMAR" for s in request.seqs)
+    done = threading.Event()
+    threading.Thread(target=lambda: (results.setdefault("plain", tiny_llm.generate(
+        ["Hello"], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)), done.set())).start()
+    assert done.wait(300), "the plain request waited for the constrained one's grammar"
+    assert results["plain"][0].outputs[0].finish_reason == "length"
+    assert constrained.is_alive() and engine.compiling and "constrained" not in results
+    slow_compiles.set()
+    constrained.join(300)
+    out = results["constrained"][0]
+    assert out.outputs[0].finish_reason == "stop" and re.fullmatch("[0-9]{3}-slow-offline", out.outputs[0].text)
+
+
+def test_equal_constraints_in_flight_compile_once_and_an_abort_cancels_a_queued_compile(tiny_llm, slow_compiles):
+    from minivllm.structured_output import COMPILE_WORKERS, MAX_COMPILES_IN_FLIGHT, GrammarCompilesBusy
+    engine, backend = tiny_llm.engine, tiny_llm.engine.grammar_backend()
+    p = [SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex=f"[a-z]+{i}-dedupe"))
+         for i in range(MAX_COMPILES_IN_FLIGHT)]
+    for i in (0, 0, 0):  # three requests, one constraint
+        engine.add_request(f"same-{len(engine.compiling)}", "Hi", p[i])
+    for i in range(1, MAX_COMPILES_IN_FLIGHT):
+        engine.add_request(f"other-{i}", "Hi", p[i])
+    wait_for(lambda: len(slow_compiles.calls) == COMPILE_WORKERS, "the workers took their compiles")
+    with pytest.raises(GrammarCompilesBusy, match="MAX_COMPILES_IN_FLIGHT"):  # a flood is refused, not queued
+        engine.add_request("one-too-many", "Hi", SamplingParams(structured_outputs=StructuredOutputsParams(
+            regex="[a-z]+-too-many")))
+    queued = engine.requests[f"other-{MAX_COMPILES_IN_FLIGHT - 1}"].grammar
+    engine.abort_request(f"other-{MAX_COMPILES_IN_FLIGHT - 1}")
+    assert queued.cancelled()  # nobody else waited and no worker had started it
+    slow_compiles.set()
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert len(outputs) == 3 + MAX_COMPILES_IN_FLIGHT - 2 and all(o.error is None for o in outputs.values())
+    assert len(slow_compiles.calls) == MAX_COMPILES_IN_FLIGHT - 1  # one for the three, none for the cancelled
+
+
+def test_the_grammar_cache_is_bounded_by_bytes(tiny_llm, monkeypatch):
+    from minivllm import structured_output
+    backend = tiny_llm.engine.grammar_backend()
+    one = backend.compile(StructuredOutputsParams(regex="[a-z]+-bytes-0")).memory_size_bytes
+    assert one > 0
+    monkeypatch.setattr(structured_output, "MAX_CACHED_GRAMMAR_BYTES", 3 * one)
+    for i in range(1, 6):
+        backend.compile(StructuredOutputsParams(regex=f"[a-z]+-bytes-{i}"))
+        assert backend.cached_bytes <= 3 * one
+    assert sum(size for _, size in backend._compiled.values()) == backend.cached_bytes
+
+
+def test_a_compile_past_its_time_limit_ends_its_request_with_the_limits_error(tiny_llm, monkeypatch):
+    """Real xgrammar: '.*' * 300 compiles for seconds (quadratic in its length); the limit here is 0.2 s."""
+    backend = tiny_llm.engine.grammar_backend()
+    monkeypatch.setattr(backend, "compile_timeout_s", 0.2)
+    slow = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex=".*" * 300))
+    bad, plain = tiny_llm.generate(["Hi", "Hi"], [slow, SamplingParams(max_tokens=4)], use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and plain.outputs[0].finish_reason == "length"
+    assert "took longer to compile than the limit of 0.2 s (EngineConfig.structured_outputs_timeout_s)" in bad.error

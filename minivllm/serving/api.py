@@ -22,6 +22,7 @@ from fastapi import Request
 
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+from minivllm.structured_output import GrammarCompilesBusy
 from minivllm.serving.async_llm import (AsyncLLM, EngineRestarting, QueueFull, RequestFailed, RequestStream,
                                        ServerShuttingDown)
 from minivllm.serving.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -67,15 +68,40 @@ class OpenAIServing:
             raise bad_request(e, aliases) from None
         return ids
 
-    async def compiled(self, params: SamplingParams, field: str) -> None:
-        """Compile the request's constraint (chapter 19) in a worker thread, off the event loop and the engine loop
-        (cached: queueing it then finds it); a constraint that fails is a 400 naming ``field``."""
-        if params.structured_outputs is None:
+    async def params(self, body, *args) -> SamplingParams:
+        """The body's SamplingParams; with a constraint (a JSON schema to check and parse: milliseconds to a
+        second) made in a worker thread, off the event loop."""
+        rf, tools = body.response_format, getattr(body, "tools", None)
+        if body.structured_outputs is None and (rf is None or rf.type == "text") and not tools:
+            return body.sampling_params(*args)
+        return await asyncio.to_thread(body.sampling_params, *args)
+
+    async def compiled(self, params: SamplingParams, field: str, request: Request) -> None:
+        """Wait for the request's constraint to compile (chapter 19) before it is queued: in the grammar backend's
+        pool, off the event loop and the engine loop (cached: queueing it then finds it), an equal constraint in
+        flight compiled once. A constraint that fails, or takes longer than ``structured_outputs_timeout_s``, is
+        a 400 naming ``field``; a full compile pool a 429; a client that leaves meanwhile stops the wait (and
+        the compile, if nobody else waits for it and it has not started)."""
+        so = params.structured_outputs
+        if so is None:
             return
+        backend = self.engine._grammar_backend or await asyncio.to_thread(self.engine.grammar_backend)
         try:
-            await asyncio.to_thread(self.engine.compile_constraint, params)
-        except ValueError as e:
-            raise APIError(400, str(e).replace("structured_outputs", field, 1), field) from None
+            future = backend.submit(so)
+        except GrammarCompilesBusy as e:
+            raise APIError(429, str(e), field, "rate_limit_error", "grammar_compiles_busy") from None
+        work, watch = asyncio.wrap_future(future), asyncio.ensure_future(disconnected(request))
+        try:
+            await asyncio.wait({work, watch}, timeout=backend.compile_timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            backend.release(so, future)
+        if not work.done() or work.cancelled():
+            if watch.done() and not watch.cancelled():
+                raise APIError(499, "client closed the request", None, "client_closed_request")
+            raise APIError(400, backend.timeout_error(so).replace("structured_outputs", field, 1), field)
+        if work.exception() is not None:
+            raise APIError(400, str(work.exception()).replace("structured_outputs", field, 1), field)
 
     def submit(self, prompt, params: SamplingParams, aliases: dict[str, str], arrival: float) -> RequestStream:
         """Queue the request, or the error the client gets: 400 (bad input), 429 (queue full), 503 (draining)."""
@@ -109,8 +135,8 @@ class OpenAIServing:
         self.check_model(body.model)
         body.check_supported()
         prompt = body.one_prompt()
-        params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs, {})
-        await self.compiled(params, body.constraint_field())
+        params = await self.params(body, 16 if body.max_tokens is None else body.max_tokens, body.logprobs, {})
+        await self.compiled(params, body.constraint_field(), request)
         stream = self.submit(await self.checked_ids(prompt, params, {}), params, {}, arrival)
         state = StreamState(CompletionFormat(body.logprobs), self.model_name, body.include_usage)
         return await self.respond(stream, state, body.stream, params.n, request)
@@ -124,8 +150,9 @@ class OpenAIServing:
         k = body.num_logprobs()
         short = len(body.messages) <= 64 and sum(len(m.for_template()["content"]) for m in body.messages) < INLINE_LEN
         ids = self.chat_prompt(body.messages) if short else await asyncio.to_thread(self.chat_prompt, body.messages)
-        params = body.sampling_params(self.default_max_tokens(len(ids)) if wanted is None else wanted, k, aliases)
-        await self.compiled(params, body.constraint_field())
+        params = await self.params(body, self.default_max_tokens(len(ids)) if wanted is None else wanted, k,
+                                   aliases)
+        await self.compiled(params, body.constraint_field(), request)
         stream = self.submit(await self.checked_ids(ids, params, aliases), params, aliases, arrival)
         call = body.tool_call()
         fmt = ChatFormat(k) if call is None else ToolCallFormat(k, call[1])
@@ -218,9 +245,12 @@ class OpenAIServing:
 
 
 def failure(out: RequestOutput) -> Exception:
-    """A failed output's error: the engine's (a worker died, its link broke: retry, a 503), or the request's own."""
+    """A failed output's error: the engine's (a worker died, its link broke: retry, a 503), its constraint's (no
+    continuation, a compile that failed or timed out: the client's, a 400), or the request's own (a 500)."""
     if out.retryable:
         return EngineRestarting(f"the request failed in the engine: {out.error}; retry shortly")
+    if out.error.startswith("structured_outputs"):
+        return ValueError(out.error)
     return RequestFailed(f"the request failed in the engine: {out.error}")
 
 

@@ -71,13 +71,20 @@ def bad_request(error: ValueError, aliases: dict[str, str]) -> APIError:
 
 
 def has_surrogate(value) -> bool:
-    """Whether ``value`` (text, or lists and dicts of it) holds a lone UTF-16 surrogate (lists of numbers: no)."""
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, list):
-        return bool(value) and isinstance(value[0], (str, list, dict)) and any(map(has_surrogate, value))
-    if isinstance(value, dict):
-        return any(map(has_surrogate, value)) or any(map(has_surrogate, value.values()))
+    """Whether ``value`` (text, or lists and dicts of it) holds a lone UTF-16 surrogate; walked without recursion,
+    so a body nested any depth is safe (a list of numbers is skipped at its first item)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item) is not None:
+                return True
+        elif isinstance(item, list):
+            if item and isinstance(item[0], (str, list, dict)):
+                stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
     return False
 
 
