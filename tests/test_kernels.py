@@ -29,8 +29,8 @@ def ragged_batch(draw_lens, heads, kv_heads, dim, block_size, seed):
     v_cache = torch.randn(blocks * block_size + 1, kv_heads, dim, generator=g)
     order = iter(torch.randperm(blocks, generator=g).tolist())
     tables = [[next(order) for _ in range(math.ceil(n / block_size))] for _, n in draw_lens]
-    width = max(1, max(map(len, tables)))
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    width = max([1, *map(len, tables)])
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width)
     lens = torch.tensor([n for _, n in draw_lens], dtype=torch.int32)
     starts = torch.tensor([0, *itertools.accumulate(q for q, _ in draw_lens)], dtype=torch.int32)
     q = torch.randn(int(starts[-1]), heads, dim, generator=g)
@@ -39,12 +39,13 @@ def ragged_batch(draw_lens, heads, kv_heads, dim, block_size, seed):
 
 @st.composite
 def sequences(draw):
-    """1 to 6 sequences, each a decode row, a chunk after cached keys, or a whole prompt; lengths 1 to 5 blocks."""
+    """0 to 6 sequences, each a decode row, a chunk after cached keys, a whole prompt or no queries at all (an
+    empty step: no sequence, or none with queries); lengths 0 to 5 blocks (length 0: no queries)."""
     block_size = draw(st.sampled_from([1, 4, 7, 16]))
     out = []
-    for _ in range(draw(st.integers(1, 6))):
-        length = draw(st.integers(1, 5 * block_size + 3))
-        queries = draw(st.sampled_from([1, length, draw(st.integers(0, length))]))
+    for _ in range(draw(st.integers(0, 6))):
+        length = draw(st.integers(0, 5 * block_size + 3))
+        queries = draw(st.sampled_from([1, length, draw(st.integers(0, length))])) if length else 0
         out.append((queries, length))
     return out, block_size
 
@@ -55,7 +56,7 @@ def sequences(draw):
        st.integers(0, 2**16))
 def test_paged_attention_equals_its_reference_on_random_ragged_batches(seqs, heads, seed):
     """Decode rows, chunks after cached keys and whole prompts in one call, each row to its own length: GQA, block
-    sizes 1-16, lengths across block boundaries, rows with no queries."""
+    sizes 1-16, lengths across block boundaries, rows with no queries, steps with no query tokens or sequences."""
     lens, block_size = seqs
     h, kvh, d = heads
     q, kc, vc, table, seq_lens, starts = ragged_batch(lens, h, kvh, d, block_size, seed)
@@ -207,6 +208,170 @@ def test_the_other_ops_refuse_bad_indices_and_shapes_before_writing():
         cpu.linear(torch.randn(1, 32), torch.randn(4, 64))
     with pytest.raises(ValueError, match="residual"):
         cpu.fused_add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-5)
+
+
+def _good_args():
+    """One small valid call of every op: the arguments the hostile cases below spoil one at a time."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return {
+        "write_kv": dict(k=r(2, 2, 8), v=r(2, 2, 8), k_cache=torch.zeros(8, 2, 8), v_cache=torch.zeros(8, 2, 8),
+                         slot_mapping=torch.tensor([0, 3])),
+        "paged_attention": _attention_args(),
+        "rms_norm": dict(x=r(2, 8), weight=r(8), eps=1e-5),
+        "fused_add_rms_norm": dict(x=r(2, 8), residual=r(2, 8), weight=r(8), eps=1e-5),
+        "rotary": dict(q=r(2, 4, 8), k=r(2, 2, 8), positions=torch.tensor([0, 3]), cos=r(4, 4), sin=r(4, 4)),
+        "silu_and_mul": dict(x=r(2, 16)),
+        "linear": dict(x=r(1, 16), weight=r(4, 16), bias=r(4)),
+        "q4_1_linear": dict(x=r(1, 32), qweight=torch.zeros(4, 20, dtype=torch.uint8), bias=r(4)),
+        "q8_0_linear": dict(x=r(1, 32), qweight=torch.zeros(4, 34, dtype=torch.uint8), bias=r(4)),
+        "q8_0_embedding": dict(ids=torch.tensor([0, 3]), table=torch.zeros(4, 34, dtype=torch.uint8), width=32),
+    }
+
+
+def _hostile_cases():
+    """(op, argument, what, spoil): every tensor argument as a list, a NumPy array, a string, None (bias: None is
+    fine) and a negative view (its memory holds the values un-negated); every number as a string, a float where an
+    int is asked, NaN, a negative."""
+    cases = []
+    for op, args in _good_args().items():
+        for name, value in args.items():
+            if isinstance(value, torch.Tensor):
+                spoils = {"a list": lambda t: t.tolist(), "a numpy array": lambda t: t.numpy(),
+                          "a string": lambda t: "tensor", "a negative view": torch._neg_view}
+                if name != "bias":
+                    spoils["None"] = lambda t: None
+            elif name == "eps":
+                spoils = {"a string": lambda e: "1e-5", "a tensor": torch.tensor, "NaN": lambda e: math.nan,
+                          "negative": lambda e: -1.0, "None": lambda e: None}
+            else:  # width, block_size: positive ints
+                spoils = {"a float": float, "a string": str, "zero": lambda n: 0, "None": lambda n: None}
+            cases += [(op, name, what, spoil) for what, spoil in spoils.items()]
+    return cases
+
+
+HOSTILE = _hostile_cases()
+
+
+@needs_cpu
+@pytest.mark.parametrize("op,name,what,spoil", HOSTILE, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in HOSTILE])
+def test_every_op_refuses_a_hostile_argument_with_a_value_error_naming_it(op, name, what, spoil):
+    """A NumPy block table, a list x, a string eps, a float width, a negative view... each a ValueError naming the
+    argument before memory is touched (not AttributeError, ctypes.ArgumentError, TypeError, or a wrong answer)."""
+    args = _good_args()[op]
+    getattr(cpu, op)(**args)  # the unspoilt call runs
+    args[name] = spoil(args[name])
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        getattr(cpu, op)(**args)
+
+
+@st.composite
+def zero_sized(draw):
+    """An op and its arguments with any of their sizes 0 to 3: tokens, heads, KV heads, head_dim, features."""
+    op = draw(st.sampled_from(["write_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary",
+                               "silu_and_mul", "q8_0_embedding"]))
+    T, H, KVH, D = (draw(st.integers(0, 3)) for _ in range(4))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    if op == "write_kv":
+        slots = torch.randperm(8, generator=g)[:T]
+        return op, dict(k=r(T, KVH, D), v=r(T, KVH, D), k_cache=torch.zeros(8, KVH, D),
+                        v_cache=torch.zeros(8, KVH, D), slot_mapping=slots), {"k": KVH * D == 0}
+    if op == "paged_attention":
+        H, D = H * max(KVH, 1), 2 * D  # heads a multiple of the KV heads
+        q, kc, vc, table, lens, starts = ragged_batch([(T, T + 2)] if T else [], max(H, 1), max(KVH, 1), max(D, 1),
+                                                      4, 0)
+        q = r(T, H, D)
+        kc, vc = r(kc.shape[0], KVH, D), r(kc.shape[0], KVH, D)
+        return op, dict(q=q, k_cache=kc, v_cache=vc, block_table=table, seq_lens=lens, query_start=starts,
+                        block_size=4), {"q": H * D == 0, "k_cache": KVH == 0}
+    if op in ("rms_norm", "fused_add_rms_norm"):
+        args = dict(x=r(T, D), weight=r(D), eps=1e-5)
+        if op == "fused_add_rms_norm":
+            args["residual"] = r(T, D)
+        return op, args, {"x": D == 0}
+    if op == "rotary":
+        positions = torch.randint(0, 5, (T,), generator=g)
+        return op, dict(q=r(T, H, 2 * D), k=r(T, KVH, 2 * D), positions=positions, cos=r(5, D), sin=r(5, D)), \
+            {"q": H * D == 0, "k": KVH == 0}
+    if op == "silu_and_mul":
+        return op, dict(x=r(T, 2 * D)), {"x": D == 0}
+    ids = torch.randint(0, 4, (T,), generator=g)
+    return op, dict(ids=ids, table=torch.zeros(4, D * Q8_0, dtype=torch.uint8), width=32 * D), {"width": D == 0}
+
+
+Q8_0 = 34  # bytes of a Q8_0 block
+
+
+@needs_cpu
+@settings(deadline=None)
+@given(zero_sized())
+def test_zero_sizes_give_the_references_empty_result_or_a_value_error_naming_the_argument(case):
+    """No tokens (an empty step) is an empty result, as the reference gives; no heads, no KV heads, a head_dim or a
+    row width of 0 is a ValueError naming the argument (never a crash: 0 query heads divided by zero in C++)."""
+    op, args, refused = case
+    bad = [name for name, zero in refused.items() if zero]
+    if bad:
+        with pytest.raises(ValueError, match=rf"\b({'|'.join(bad)})\b"):
+            getattr(cpu, op)(**args)
+        return
+    mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    want, got = getattr(reference, op)(**args), getattr(cpu, op)(**mine)
+    for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (want, got))):
+        assert a is None and b is None or a.shape == b.shape
+        torch.testing.assert_close(b, a) if a is not None else None
+    for name, value in args.items():  # what the in-place ops wrote
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            torch.testing.assert_close(mine[name], value)
+
+
+ZERO_HEADS = """
+import torch
+from minivllm import kernels
+cpu = kernels.cpu_table()
+q, cache = torch.randn(1, 0, 8), torch.randn(8, 1, 8)
+table, lens, starts = (torch.tensor(v, dtype=torch.int32) for v in ([[0, 1]], [3], [0, 1]))
+for what, call in [
+        ("0 query heads", lambda: cpu.paged_attention(q, cache, cache, table, lens, starts, 4)),
+        ("head_dim 0", lambda: cpu.paged_attention(torch.randn(1, 2, 0), torch.randn(8, 1, 0), torch.randn(8, 1, 0),
+                                                   table, lens, starts, 4))]:
+    try:
+        call()
+    except ValueError as e:
+        print(what, "ValueError", e)
+out = torch.empty(1, 0, 8)
+status = cpu.lib.mv_paged_attention(out.data_ptr(), q.data_ptr(), 0, cache.data_ptr(), cache.data_ptr(),
+                                    table.data_ptr(), 2, lens.data_ptr(), starts.data_ptr(), 1, 1, 0, 1, 8, 4, 2,
+                                    1.0, 1)
+print("ops.cpp with H = 0:", status, cpu.lib.mv_last_error().decode())
+"""
+
+
+@needs_cpu
+def test_zero_query_heads_is_a_value_error_in_python_and_in_cpp_not_a_crash():
+    """0 query heads passed ``H % KVH == 0`` and divided by zero in ops.cpp (SIGFPE: the process died), and a
+    head_dim of 0 raised ZeroDivisionError: run in a child process, both refused, and ops.cpp's own check too."""
+    out = subprocess.run([sys.executable, "-c", ZERO_HEADS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("0 query heads ValueError q ") and lines[1].startswith("head_dim 0 ValueError q ")
+    assert lines[2] == "ops.cpp with H = 0: 1 query heads (0) must be a positive multiple of KV heads (1)"
+
+
+SILU_EXTREMES = [-math.inf, -3e38, -104.0, -100.0, -88.8, -88.72, -88.5, -88.0, -87.5, -87.3, -50.0, -1.0, -0.0, 0.0,
+                 1e-45, 1.0, 50.0, 88.5, 100.0, 3e38, math.inf, math.nan]
+
+
+@needs_cpu
+@pytest.mark.parametrize("up", [1e38, -1e38, 1.0, 0.0, math.inf])
+def test_silu_and_mul_equals_its_reference_at_the_extremes_on_both_paths(up):
+    """The vector path capped exp at 88: a gate of -100 times an up of 1e38 gave -60.5 where the reference gives -0,
+    and a gate of -inf gave inf, not NaN. Every extreme gate sits in the vector lanes and in the scalar tail."""
+    gates = torch.tensor(SILU_EXTREMES * 3 + SILU_EXTREMES[:5])  # 71 gates: 64 or 56 in vectors, the rest a tail
+    for shift in range(3):
+        gate = gates.roll(shift)
+        x = torch.cat([gate, torch.full_like(gate, up)])[None].repeat(2, 1)
+        torch.testing.assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x), equal_nan=True)
 
 
 def test_the_build_is_keyed_by_the_sources_and_this_cpu(tmp_path, monkeypatch):
