@@ -1,11 +1,20 @@
 """The kernel layer (chapter 18): every C++ op against its PyTorch reference, bad input refused before memory is
 touched, the build cached per machine, and the reference as the fallback where nothing builds."""
 
+import hashlib
 import itertools
+import json
 import math
 import os
+import random
+import shutil
+import signal
 import subprocess
 import sys
+import time
+import types
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm import kernels
+from minivllm.config import KERNEL_OPS
 from minivllm.kernels import build, reference
 from minivllm.models.loader import gguf_path
 from minivllm.tolerances import ATTENTION_ATOL
@@ -390,6 +400,116 @@ def test_the_build_is_keyed_by_the_sources_and_this_cpu(tmp_path, monkeypatch):
     assert build.build(edited, quiet=True) not in (first,)
 
 
+FIRST_USE = """
+import json, warnings, torch
+from minivllm import kernels
+from minivllm.kernels import reference
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ops = kernels.cpu_table()
+    name = kernels.choose("auto", "cpu", torch.float32)[0]
+x = torch.randn(3, 64)
+right = ops is not None and torch.equal(ops.silu_and_mul(x), ops.silu_and_mul(x.clone())) and \\
+    torch.allclose(ops.rms_norm(x, torch.ones(64), 1e-5), reference.rms_norm(x, torch.ones(64), 1e-5))
+print(json.dumps([name, bool(right), [str(w.message) for w in caught if "kernels" in str(w.message)]]))
+"""
+
+
+def _first_use(cache, **env):
+    """A fresh process's first use of the CPU kernels with ``cache`` as $MINIVLLM_CACHE: (the table ``auto``
+    picks, its ops right, the kernels' warnings, whether it built, the finished process)."""
+    out = subprocess.run([sys.executable, "-c", FIRST_USE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MINIVLLM_CACHE": str(cache), **env})
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # -7: SIGBUS, a truncated library mapped
+    name, right, warned = json.loads(out.stdout.splitlines()[-1])
+    return name, right, warned, "building the CPU kernels" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory):
+    """A cache holding one build of the kernels, made by a first process (each case below spoils a copy)."""
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler here")
+    cache = tmp_path_factory.mktemp("built")
+    assert _first_use(cache) == ("cpu", True, [], True)
+    return cache
+
+
+def _symbolless_library(path):
+    """A valid shared library with none of the ops (what a stale or foreign .so in the cache would be)."""
+    source = path.with_suffix(".cpp")
+    source.write_text('extern "C" int unrelated() { return 0; }\n')
+    subprocess.run([build.compiler(), "-shared", "-fPIC", str(source), "-o", str(path)], check=True, timeout=300)
+
+
+SPOILS = {
+    "truncated": lambda lib, _: lib.write_bytes(lib.read_bytes()[: lib.stat().st_size // 2]),
+    "emptied": lambda lib, _: lib.write_bytes(b""),
+    "garbled": lambda lib, _: lib.write_bytes(random.Random(0).randbytes(lib.stat().st_size)),
+    "a library without the ops": lambda lib, _: _symbolless_library(lib),
+    "without the ops, its digest forged": lambda lib, record: (
+        _symbolless_library(lib), record.write_text(hashlib.sha256(lib.read_bytes()).hexdigest())),
+}
+
+
+@pytest.mark.parametrize("spoil", SPOILS, ids=list(SPOILS))
+def test_a_spoilt_cached_library_is_built_again_by_the_next_process(spoil, built_cache, tmp_path):
+    """The cached library was trusted as found: truncated it crashed every later process (SIGBUS), emptied or
+    garbled they all fell back to the reference, without its ops cpu_table() raised AttributeError. Now its bytes
+    are checked against the SHA-256 recorded at build (and a library that passes yet lacks the ops is built again
+    too): the next process builds it again and runs the C++ ops, no warning."""
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache, cache)
+    (lib,) = cache.glob("kernels/*/libminivllm_kernels.so")
+    SPOILS[spoil](lib, lib.with_name(lib.name + ".sha256"))  # the SHA-256 recorded beside it
+    assert _first_use(cache) == ("cpu", True, [], True)
+    assert build.verified(lib)
+    assert _first_use(cache) == ("cpu", True, [], False)  # and the process after it loads it as it is
+
+
+HANGING_CXX = """#!/bin/sh
+# A C++ compiler that answers --version and then never finishes a build (its child never ends).
+if [ "$1" = "--version" ]; then echo "hanging-c++ 1.0"; exit 0; fi
+sleep 100000 &
+echo $! > "$0.child"
+wait
+"""
+
+
+def test_a_compiler_that_hangs_is_stopped_at_the_time_limit_and_the_reference_runs(tmp_path):
+    """A compiler that never finishes hung the first use of the kernels forever: now it runs under a time limit
+    (2 s here, $MINIVLLM_BUILD_TIMEOUT), is stopped with its children, and the reference runs, with one warning
+    naming the limit."""
+    cxx = tmp_path / "hanging-c++"
+    cxx.write_text(HANGING_CXX)
+    cxx.chmod(0o755)
+    name, right, warned, _ = _first_use(tmp_path / "cache", CXX=str(cxx), MINIVLLM_BUILD_TIMEOUT="2")
+    assert (name, right, len(warned)) == ("reference", False, 1)
+    assert "did not finish within 2 s" in warned[0] and "MINIVLLM_BUILD_TIMEOUT" in warned[0]
+    child = int((tmp_path / "hanging-c++.child").read_text())
+    for _ in range(100):  # SIGKILL was sent before the build returned; the process table may lag a moment
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"the hanging compiler's child {child} was left running")
+
+
+def test_a_bad_build_time_limit_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_BUILD_TIMEOUT", "soon")
+    with pytest.raises(build.BuildError, match="MINIVLLM_BUILD_TIMEOUT"):
+        build.build_timeout()
+    monkeypatch.setenv("MINIVLLM_BUILD_TIMEOUT", "2.5")
+    assert build.build_timeout() == 2.5
+    monkeypatch.delenv("MINIVLLM_BUILD_TIMEOUT")
+    assert build.build_timeout() == build.BUILD_TIMEOUT_S
+
+
 def test_without_a_compiler_the_reference_runs_with_one_warning_and_stats_say_so():
     code = ("import warnings\n"
             "import minivllm.kernels.build as b\n"
@@ -418,6 +538,84 @@ def test_choose_follows_the_rule_and_refuses_what_cannot_run():
         kernels.choose("fast", "cpu", torch.float32)
     if cpu is not None:
         assert kernels.choose("auto", "cpu", torch.float32) == ("cpu", cpu)
+
+
+def _table_with(**ops):
+    """A module-like kernel table: the reference's ops, some replaced."""
+    table = types.ModuleType("minivllm.kernels.triton_ops")
+    for op in KERNEL_OPS:
+        setattr(table, op, ops.get(op, getattr(reference, op)))
+    return table
+
+
+def _raises(*args, **kwargs):
+    raise RuntimeError("triton.compiler.errors.CompilationError: at 12:4: unsupported on this GPU")
+
+
+BROKEN = {
+    "a wrong answer": ("rms_norm", lambda x, weight, eps: reference.rms_norm(x, weight, eps) * 1.01),
+    "an exception": ("paged_attention", _raises),
+    "an in-place write left out": ("write_kv", lambda *args: None),
+    "a NaN": ("silu_and_mul", lambda x: reference.silu_and_mul(x) * math.nan),
+}
+
+
+def test_the_first_use_check_covers_every_op_and_passes_the_reference_and_the_cpu_kernels():
+    from minivllm.kernels import selfcheck
+
+    assert sorted(selfcheck.cases("cpu", torch.float32)) == sorted(KERNEL_OPS)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert selfcheck.failing_ops(reference, reference, "cpu", dtype) == {}
+    if cpu is not None:  # another implementation of every op, in float32
+        assert selfcheck.failing_ops(cpu, reference) == {}
+
+
+@pytest.mark.parametrize("broken", BROKEN, ids=list(BROKEN))
+def test_the_first_use_check_names_the_op_that_fails(broken):
+    from minivllm.kernels import selfcheck
+
+    op, fn = BROKEN[broken]
+    failing = selfcheck.failing_ops(_table_with(**{op: fn}), reference)
+    assert list(failing) == [op], failing
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """choose() as on a CUDA machine with triton: the table is whatever module the test puts in triton_ops' place,
+    checked on the CPU (there is no GPU here)."""
+    from minivllm.kernels import selfcheck
+
+    check = selfcheck.failing_ops
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(selfcheck, "failing_ops", lambda table, oracle, device, dtype: check(table, oracle))
+    kernels.triton_table.cache_clear()
+
+    def use(table):
+        monkeypatch.setitem(sys.modules, "minivllm.kernels.triton_ops", table)
+        monkeypatch.setattr(kernels, "triton_ops", table, raising=False)
+    yield use
+    kernels.triton_table.cache_clear()
+
+
+def test_choose_falls_back_to_the_reference_with_one_warning_when_a_triton_op_fails_its_check(fake_cuda):
+    """A Triton kernel never run on this GPU cannot take a reader's runtime down: ``auto`` checks the table at
+    first use, and one failing op sends the reference, with one warning naming it (not once per model)."""
+    fake_cuda(_table_with(paged_attention=_raises))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernels.choose("auto", "cuda", torch.bfloat16) == ("reference", reference)
+        assert kernels.choose("auto", "cuda", torch.bfloat16) == ("reference", reference)
+        with pytest.raises(ValueError, match="kernels='triton' cannot run here"):
+            kernels.choose("triton", "cuda", torch.bfloat16)
+    assert len(caught) == 1 and "paged_attention: RuntimeError" in str(caught[0].message)
+
+
+def test_choose_picks_a_triton_table_that_passes_its_check(fake_cuda):
+    good = _table_with()
+    fake_cuda(good)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.choose("auto", "cuda", torch.bfloat16) == ("triton", good)
 
 
 TRITON_SCRIPT = """
