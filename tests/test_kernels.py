@@ -641,6 +641,14 @@ for seed, (lens, block_size, (h, kvh, d)) in enumerate([
         assert "block_table" in str(e)
     else:
         raise AssertionError("a block id outside the pool was not refused")
+one = [torch.tensor(v, dtype=torch.int32) for v in ([[0, 1]], [3], [0, 1])]
+for q_shape, kv_shape in [((1, 0, 16), (8, 1, 16)), ((1, 2, 16), (8, 0, 16)), ((1, 2, 0), (8, 1, 0))]:
+    try:  # no heads, no KV heads (once a ZeroDivisionError), head_dim 0
+        triton_ops.paged_attention(torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape), *one, 4)
+    except ValueError as e:
+        assert "heads" in str(e), e
+    else:
+        raise AssertionError(f"q {q_shape} over a cache {kv_shape} was not refused")
 print("ok")
 """
 
