@@ -103,6 +103,6 @@ def choose(kind, device, dtype) -> tuple[str, object]:
         return "triton", triton_table(dtype)
     if kind != "auto":
         raise ValueError(f"kernels={kind!r} cannot run here ({device.type}, {dtype}): the C++ kernels are for "
-                         f"float32 on the CPU, built with a C++ compiler; the Triton ones for CUDA with triton, once they pass "
-                         f"their first-use check")
+                         f"float32 on the CPU, built with a C++ compiler; the Triton ones for CUDA with triton, once "
+                         f"they pass their first-use check")
     return "reference", reference
