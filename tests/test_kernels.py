@@ -500,6 +500,18 @@ def test_a_compiler_that_hangs_is_stopped_at_the_time_limit_and_the_reference_ru
         raise AssertionError(f"the hanging compiler's child {child} was left running")
 
 
+def test_exercise_18s_compiler_line_does_not_hang_on_a_compiler_that_never_answers(tmp_path, monkeypatch):
+    """Exercise 18's first cell asks the compiler its version: one that never answers is stopped at the limit."""
+    from minivllm.exercises.kernels import compiler_status
+
+    cxx = tmp_path / "mute-c++"
+    cxx.write_text("#!/bin/sh\nexec sleep 100000\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("MINIVLLM_BUILD_TIMEOUT", "1")
+    assert "did not finish within 1 s" in compiler_status()
+
+
 def test_a_bad_build_time_limit_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("MINIVLLM_BUILD_TIMEOUT", "soon")
     with pytest.raises(build.BuildError, match="MINIVLLM_BUILD_TIMEOUT"):

@@ -54,6 +54,12 @@ def compiler() -> str | None:
     return None
 
 
+def compiler_version(cxx: str) -> str:
+    """The first line of ``cxx --version`` ("" where it prints none), under the build's time limit."""
+    lines = _run([cxx, "--version"]).stdout.splitlines()
+    return lines[0] if lines else ""
+
+
 def build_timeout() -> float:
     """The compiler's time limit in seconds: ``$MINIVLLM_BUILD_TIMEOUT``, else :data:`BUILD_TIMEOUT_S`."""
     value = os.environ.get("MINIVLLM_BUILD_TIMEOUT")
@@ -153,7 +159,7 @@ def build(inner: Path = INNER, quiet: bool = False, isa: tuple[str, ...] = ("-ma
         raise BuildError("no C++ compiler found (set $CXX, or install g++: apt-get install g++)")
     inner = Path(inner).resolve()
     sources = [CSRC / "ops.cpp", CSRC / "inner.h", inner]
-    version = _run([cxx, "--version"]).stdout.splitlines()[:1]
+    version = [compiler_version(cxx)]
     digest = hashlib.sha256()
     for part in [*(p.read_bytes() for p in sources), str(version).encode(), " ".join(FLAGS + list(isa)).encode(),
                  cpu_key().encode()]:
