@@ -1,11 +1,20 @@
 """The kernel layer (chapter 18): every C++ op against its PyTorch reference, bad input refused before memory is
 touched, the build cached per machine, and the reference as the fallback where nothing builds."""
 
+import hashlib
 import itertools
+import json
 import math
 import os
+import random
+import shutil
+import signal
 import subprocess
 import sys
+import time
+import types
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm import kernels
+from minivllm.config import KERNEL_OPS
 from minivllm.kernels import build, reference
 from minivllm.models.loader import gguf_path
 from minivllm.tolerances import ATTENTION_ATOL
@@ -29,8 +39,8 @@ def ragged_batch(draw_lens, heads, kv_heads, dim, block_size, seed):
     v_cache = torch.randn(blocks * block_size + 1, kv_heads, dim, generator=g)
     order = iter(torch.randperm(blocks, generator=g).tolist())
     tables = [[next(order) for _ in range(math.ceil(n / block_size))] for _, n in draw_lens]
-    width = max(1, max(map(len, tables)))
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    width = max([1, *map(len, tables)])
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32).view(-1, width)
     lens = torch.tensor([n for _, n in draw_lens], dtype=torch.int32)
     starts = torch.tensor([0, *itertools.accumulate(q for q, _ in draw_lens)], dtype=torch.int32)
     q = torch.randn(int(starts[-1]), heads, dim, generator=g)
@@ -39,12 +49,13 @@ def ragged_batch(draw_lens, heads, kv_heads, dim, block_size, seed):
 
 @st.composite
 def sequences(draw):
-    """1 to 6 sequences, each a decode row, a chunk after cached keys, or a whole prompt; lengths 1 to 5 blocks."""
+    """0 to 6 sequences, each a decode row, a chunk after cached keys, a whole prompt or no queries at all (an
+    empty step: no sequence, or none with queries); lengths 0 to 5 blocks (length 0: no queries)."""
     block_size = draw(st.sampled_from([1, 4, 7, 16]))
     out = []
-    for _ in range(draw(st.integers(1, 6))):
-        length = draw(st.integers(1, 5 * block_size + 3))
-        queries = draw(st.sampled_from([1, length, draw(st.integers(0, length))]))
+    for _ in range(draw(st.integers(0, 6))):
+        length = draw(st.integers(0, 5 * block_size + 3))
+        queries = draw(st.sampled_from([1, length, draw(st.integers(0, length))])) if length else 0
         out.append((queries, length))
     return out, block_size
 
@@ -55,7 +66,7 @@ def sequences(draw):
        st.integers(0, 2**16))
 def test_paged_attention_equals_its_reference_on_random_ragged_batches(seqs, heads, seed):
     """Decode rows, chunks after cached keys and whole prompts in one call, each row to its own length: GQA, block
-    sizes 1-16, lengths across block boundaries, rows with no queries."""
+    sizes 1-16, lengths across block boundaries, rows with no queries, steps with no query tokens or sequences."""
     lens, block_size = seqs
     h, kvh, d = heads
     q, kc, vc, table, seq_lens, starts = ragged_batch(lens, h, kvh, d, block_size, seed)
@@ -209,6 +220,170 @@ def test_the_other_ops_refuse_bad_indices_and_shapes_before_writing():
         cpu.fused_add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-5)
 
 
+def _good_args():
+    """One small valid call of every op: the arguments the hostile cases below spoil one at a time."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return {
+        "write_kv": dict(k=r(2, 2, 8), v=r(2, 2, 8), k_cache=torch.zeros(8, 2, 8), v_cache=torch.zeros(8, 2, 8),
+                         slot_mapping=torch.tensor([0, 3])),
+        "paged_attention": _attention_args(),
+        "rms_norm": dict(x=r(2, 8), weight=r(8), eps=1e-5),
+        "fused_add_rms_norm": dict(x=r(2, 8), residual=r(2, 8), weight=r(8), eps=1e-5),
+        "rotary": dict(q=r(2, 4, 8), k=r(2, 2, 8), positions=torch.tensor([0, 3]), cos=r(4, 4), sin=r(4, 4)),
+        "silu_and_mul": dict(x=r(2, 16)),
+        "linear": dict(x=r(1, 16), weight=r(4, 16), bias=r(4)),
+        "q4_1_linear": dict(x=r(1, 32), qweight=torch.zeros(4, 20, dtype=torch.uint8), bias=r(4)),
+        "q8_0_linear": dict(x=r(1, 32), qweight=torch.zeros(4, 34, dtype=torch.uint8), bias=r(4)),
+        "q8_0_embedding": dict(ids=torch.tensor([0, 3]), table=torch.zeros(4, 34, dtype=torch.uint8), width=32),
+    }
+
+
+def _hostile_cases():
+    """(op, argument, what, spoil): every tensor argument as a list, a NumPy array, a string, None (bias: None is
+    fine) and a negative view (its memory holds the values un-negated); every number as a string, a float where an
+    int is asked, NaN, a negative."""
+    cases = []
+    for op, args in _good_args().items():
+        for name, value in args.items():
+            if isinstance(value, torch.Tensor):
+                spoils = {"a list": lambda t: t.tolist(), "a numpy array": lambda t: t.numpy(),
+                          "a string": lambda t: "tensor", "a negative view": torch._neg_view}
+                if name != "bias":
+                    spoils["None"] = lambda t: None
+            elif name == "eps":
+                spoils = {"a string": lambda e: "1e-5", "a tensor": torch.tensor, "NaN": lambda e: math.nan,
+                          "negative": lambda e: -1.0, "None": lambda e: None}
+            else:  # width, block_size: positive ints
+                spoils = {"a float": float, "a string": str, "zero": lambda n: 0, "None": lambda n: None}
+            cases += [(op, name, what, spoil) for what, spoil in spoils.items()]
+    return cases
+
+
+HOSTILE = _hostile_cases()
+
+
+@needs_cpu
+@pytest.mark.parametrize("op,name,what,spoil", HOSTILE, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in HOSTILE])
+def test_every_op_refuses_a_hostile_argument_with_a_value_error_naming_it(op, name, what, spoil):
+    """A NumPy block table, a list x, a string eps, a float width, a negative view... each a ValueError naming the
+    argument before memory is touched (not AttributeError, ctypes.ArgumentError, TypeError, or a wrong answer)."""
+    args = _good_args()[op]
+    getattr(cpu, op)(**args)  # the unspoilt call runs
+    args[name] = spoil(args[name])
+    with pytest.raises(ValueError, match=rf"\b{name}\b"):
+        getattr(cpu, op)(**args)
+
+
+@st.composite
+def zero_sized(draw):
+    """An op and its arguments with any of their sizes 0 to 3: tokens, heads, KV heads, head_dim, features."""
+    op = draw(st.sampled_from(["write_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary",
+                               "silu_and_mul", "q8_0_embedding"]))
+    T, H, KVH, D = (draw(st.integers(0, 3)) for _ in range(4))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    if op == "write_kv":
+        slots = torch.randperm(8, generator=g)[:T]
+        return op, dict(k=r(T, KVH, D), v=r(T, KVH, D), k_cache=torch.zeros(8, KVH, D),
+                        v_cache=torch.zeros(8, KVH, D), slot_mapping=slots), {"k": KVH * D == 0}
+    if op == "paged_attention":
+        H, D = H * max(KVH, 1), 2 * D  # heads a multiple of the KV heads
+        q, kc, vc, table, lens, starts = ragged_batch([(T, T + 2)] if T else [], max(H, 1), max(KVH, 1), max(D, 1),
+                                                      4, 0)
+        q = r(T, H, D)
+        kc, vc = r(kc.shape[0], KVH, D), r(kc.shape[0], KVH, D)
+        return op, dict(q=q, k_cache=kc, v_cache=vc, block_table=table, seq_lens=lens, query_start=starts,
+                        block_size=4), {"q": H * D == 0, "k_cache": KVH == 0}
+    if op in ("rms_norm", "fused_add_rms_norm"):
+        args = dict(x=r(T, D), weight=r(D), eps=1e-5)
+        if op == "fused_add_rms_norm":
+            args["residual"] = r(T, D)
+        return op, args, {"x": D == 0}
+    if op == "rotary":
+        positions = torch.randint(0, 5, (T,), generator=g)
+        return op, dict(q=r(T, H, 2 * D), k=r(T, KVH, 2 * D), positions=positions, cos=r(5, D), sin=r(5, D)), \
+            {"q": H * D == 0, "k": KVH == 0}
+    if op == "silu_and_mul":
+        return op, dict(x=r(T, 2 * D)), {"x": D == 0}
+    ids = torch.randint(0, 4, (T,), generator=g)
+    return op, dict(ids=ids, table=torch.zeros(4, D * Q8_0, dtype=torch.uint8), width=32 * D), {"width": D == 0}
+
+
+Q8_0 = 34  # bytes of a Q8_0 block
+
+
+@needs_cpu
+@settings(deadline=None)
+@given(zero_sized())
+def test_zero_sizes_give_the_references_empty_result_or_a_value_error_naming_the_argument(case):
+    """No tokens (an empty step) is an empty result, as the reference gives; no heads, no KV heads, a head_dim or a
+    row width of 0 is a ValueError naming the argument (never a crash: 0 query heads divided by zero in C++)."""
+    op, args, refused = case
+    bad = [name for name, zero in refused.items() if zero]
+    if bad:
+        with pytest.raises(ValueError, match=rf"\b({'|'.join(bad)})\b"):
+            getattr(cpu, op)(**args)
+        return
+    mine = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    want, got = getattr(reference, op)(**args), getattr(cpu, op)(**mine)
+    for a, b in zip(*(x if isinstance(x, tuple) else (x,) for x in (want, got))):
+        assert a is None and b is None or a.shape == b.shape
+        torch.testing.assert_close(b, a) if a is not None else None
+    for name, value in args.items():  # what the in-place ops wrote
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            torch.testing.assert_close(mine[name], value)
+
+
+ZERO_HEADS = """
+import torch
+from minivllm import kernels
+cpu = kernels.cpu_table()
+q, cache = torch.randn(1, 0, 8), torch.randn(8, 1, 8)
+table, lens, starts = (torch.tensor(v, dtype=torch.int32) for v in ([[0, 1]], [3], [0, 1]))
+for what, call in [
+        ("0 query heads", lambda: cpu.paged_attention(q, cache, cache, table, lens, starts, 4)),
+        ("head_dim 0", lambda: cpu.paged_attention(torch.randn(1, 2, 0), torch.randn(8, 1, 0), torch.randn(8, 1, 0),
+                                                   table, lens, starts, 4))]:
+    try:
+        call()
+    except ValueError as e:
+        print(what, "ValueError", e)
+out = torch.empty(1, 0, 8)
+status = cpu.lib.mv_paged_attention(out.data_ptr(), q.data_ptr(), 0, cache.data_ptr(), cache.data_ptr(),
+                                    table.data_ptr(), 2, lens.data_ptr(), starts.data_ptr(), 1, 1, 0, 1, 8, 4, 2,
+                                    1.0, 1)
+print("ops.cpp with H = 0:", status, cpu.lib.mv_last_error().decode())
+"""
+
+
+@needs_cpu
+def test_zero_query_heads_is_a_value_error_in_python_and_in_cpp_not_a_crash():
+    """0 query heads passed ``H % KVH == 0`` and divided by zero in ops.cpp (SIGFPE: the process died), and a
+    head_dim of 0 raised ZeroDivisionError: run in a child process, both refused, and ops.cpp's own check too."""
+    out = subprocess.run([sys.executable, "-c", ZERO_HEADS], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("0 query heads ValueError q ") and lines[1].startswith("head_dim 0 ValueError q ")
+    assert lines[2] == "ops.cpp with H = 0: 1 query heads (0) must be a positive multiple of KV heads (1)"
+
+
+SILU_EXTREMES = [-math.inf, -3e38, -104.0, -100.0, -88.8, -88.72, -88.5, -88.0, -87.5, -87.3, -50.0, -1.0, -0.0, 0.0,
+                 1e-45, 1.0, 50.0, 88.5, 100.0, 3e38, math.inf, math.nan]
+
+
+@needs_cpu
+@pytest.mark.parametrize("up", [1e38, -1e38, 1.0, 0.0, math.inf])
+def test_silu_and_mul_equals_its_reference_at_the_extremes_on_both_paths(up):
+    """The vector path capped exp at 88: a gate of -100 times an up of 1e38 gave -60.5 where the reference gives -0,
+    and a gate of -inf gave inf, not NaN. Every extreme gate sits in the vector lanes and in the scalar tail."""
+    gates = torch.tensor(SILU_EXTREMES * 3 + SILU_EXTREMES[:5])  # 71 gates: 64 or 56 in vectors, the rest a tail
+    for shift in range(3):
+        gate = gates.roll(shift)
+        x = torch.cat([gate, torch.full_like(gate, up)])[None].repeat(2, 1)
+        torch.testing.assert_close(cpu.silu_and_mul(x), reference.silu_and_mul(x), equal_nan=True)
+
+
 def test_the_build_is_keyed_by_the_sources_and_this_cpu(tmp_path, monkeypatch):
     """A cached build is reused; another CPU's instruction sets, or an edit of the inner loops, builds anew."""
     if build.compiler() is None:
@@ -223,6 +398,128 @@ def test_the_build_is_keyed_by_the_sources_and_this_cpu(tmp_path, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     assert build.build(edited, quiet=True) not in (first,)
+
+
+FIRST_USE = """
+import json, warnings, torch
+from minivllm import kernels
+from minivllm.kernels import reference
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    ops = kernels.cpu_table()
+    name = kernels.choose("auto", "cpu", torch.float32)[0]
+x = torch.randn(3, 64)
+right = ops is not None and torch.equal(ops.silu_and_mul(x), ops.silu_and_mul(x.clone())) and \\
+    torch.allclose(ops.rms_norm(x, torch.ones(64), 1e-5), reference.rms_norm(x, torch.ones(64), 1e-5))
+print(json.dumps([name, bool(right), [str(w.message) for w in caught if "kernels" in str(w.message)]]))
+"""
+
+
+def _first_use(cache, **env):
+    """A fresh process's first use of the CPU kernels with ``cache`` as $MINIVLLM_CACHE: (the table ``auto``
+    picks, its ops right, the kernels' warnings, whether it built, the finished process)."""
+    out = subprocess.run([sys.executable, "-c", FIRST_USE], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "MINIVLLM_CACHE": str(cache), **env})
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])  # -7: SIGBUS, a truncated library mapped
+    name, right, warned = json.loads(out.stdout.splitlines()[-1])
+    return name, right, warned, "building the CPU kernels" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory):
+    """A cache holding one build of the kernels, made by a first process (each case below spoils a copy)."""
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler here")
+    cache = tmp_path_factory.mktemp("built")
+    assert _first_use(cache) == ("cpu", True, [], True)
+    return cache
+
+
+def _symbolless_library(path):
+    """A valid shared library with none of the ops (what a stale or foreign .so in the cache would be)."""
+    source = path.with_suffix(".cpp")
+    source.write_text('extern "C" int unrelated() { return 0; }\n')
+    subprocess.run([build.compiler(), "-shared", "-fPIC", str(source), "-o", str(path)], check=True, timeout=300)
+
+
+SPOILS = {
+    "truncated": lambda lib, _: lib.write_bytes(lib.read_bytes()[: lib.stat().st_size // 2]),
+    "emptied": lambda lib, _: lib.write_bytes(b""),
+    "garbled": lambda lib, _: lib.write_bytes(random.Random(0).randbytes(lib.stat().st_size)),
+    "a library without the ops": lambda lib, _: _symbolless_library(lib),
+    "without the ops, its digest forged": lambda lib, record: (
+        _symbolless_library(lib), record.write_text(hashlib.sha256(lib.read_bytes()).hexdigest())),
+}
+
+
+@pytest.mark.parametrize("spoil", SPOILS, ids=list(SPOILS))
+def test_a_spoilt_cached_library_is_built_again_by_the_next_process(spoil, built_cache, tmp_path):
+    """The cached library was trusted as found: truncated it crashed every later process (SIGBUS), emptied or
+    garbled they all fell back to the reference, without its ops cpu_table() raised AttributeError. Now its bytes
+    are checked against the SHA-256 recorded at build (and a library that passes yet lacks the ops is built again
+    too): the next process builds it again and runs the C++ ops, no warning."""
+    cache = tmp_path / "cache"
+    shutil.copytree(built_cache, cache)
+    (lib,) = cache.glob("kernels/*/libminivllm_kernels.so")
+    SPOILS[spoil](lib, lib.with_name(lib.name + ".sha256"))  # the SHA-256 recorded beside it
+    assert _first_use(cache) == ("cpu", True, [], True)
+    assert build.verified(lib)
+    assert _first_use(cache) == ("cpu", True, [], False)  # and the process after it loads it as it is
+
+
+HANGING_CXX = """#!/bin/sh
+# A C++ compiler that answers --version and then never finishes a build (its child never ends).
+if [ "$1" = "--version" ]; then echo "hanging-c++ 1.0"; exit 0; fi
+sleep 100000 &
+echo $! > "$0.child"
+wait
+"""
+
+
+def test_a_compiler_that_hangs_is_stopped_at_the_time_limit_and_the_reference_runs(tmp_path):
+    """A compiler that never finishes hung the first use of the kernels forever: now it runs under a time limit
+    (2 s here, $MINIVLLM_BUILD_TIMEOUT), is stopped with its children, and the reference runs, with one warning
+    naming the limit."""
+    cxx = tmp_path / "hanging-c++"
+    cxx.write_text(HANGING_CXX)
+    cxx.chmod(0o755)
+    name, right, warned, _ = _first_use(tmp_path / "cache", CXX=str(cxx), MINIVLLM_BUILD_TIMEOUT="2")
+    assert (name, right, len(warned)) == ("reference", False, 1)
+    assert "did not finish within 2 s" in warned[0] and "MINIVLLM_BUILD_TIMEOUT" in warned[0]
+    child = int((tmp_path / "hanging-c++.child").read_text())
+    for _ in range(100):  # SIGKILL was sent before the build returned; the process table may lag a moment
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            break
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(child, signal.SIGKILL)
+        raise AssertionError(f"the hanging compiler's child {child} was left running")
+
+
+def test_exercise_18s_compiler_line_does_not_hang_on_a_compiler_that_never_answers(tmp_path, monkeypatch):
+    """Exercise 18's first cell asks the compiler its version: one that never answers is stopped at the limit."""
+    from minivllm.exercises.kernels import compiler_status
+
+    cxx = tmp_path / "mute-c++"
+    cxx.write_text("#!/bin/sh\nexec sleep 100000\n")
+    cxx.chmod(0o755)
+    monkeypatch.setenv("CXX", str(cxx))
+    monkeypatch.setenv("MINIVLLM_BUILD_TIMEOUT", "1")
+    assert "did not finish within 1 s" in compiler_status()
+
+
+def test_a_bad_build_time_limit_is_refused_naming_it(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_BUILD_TIMEOUT", "soon")
+    with pytest.raises(build.BuildError, match="MINIVLLM_BUILD_TIMEOUT"):
+        build.build_timeout()
+    monkeypatch.setenv("MINIVLLM_BUILD_TIMEOUT", "2.5")
+    assert build.build_timeout() == 2.5
+    monkeypatch.delenv("MINIVLLM_BUILD_TIMEOUT")
+    assert build.build_timeout() == build.BUILD_TIMEOUT_S
 
 
 def test_without_a_compiler_the_reference_runs_with_one_warning_and_stats_say_so():
@@ -255,6 +552,84 @@ def test_choose_follows_the_rule_and_refuses_what_cannot_run():
         assert kernels.choose("auto", "cpu", torch.float32) == ("cpu", cpu)
 
 
+def _table_with(**ops):
+    """A module-like kernel table: the reference's ops, some replaced."""
+    table = types.ModuleType("minivllm.kernels.triton_ops")
+    for op in KERNEL_OPS:
+        setattr(table, op, ops.get(op, getattr(reference, op)))
+    return table
+
+
+def _raises(*args, **kwargs):
+    raise RuntimeError("triton.compiler.errors.CompilationError: at 12:4: unsupported on this GPU")
+
+
+BROKEN = {
+    "a wrong answer": ("rms_norm", lambda x, weight, eps: reference.rms_norm(x, weight, eps) * 1.01),
+    "an exception": ("paged_attention", _raises),
+    "an in-place write left out": ("write_kv", lambda *args: None),
+    "a NaN": ("silu_and_mul", lambda x: reference.silu_and_mul(x) * math.nan),
+}
+
+
+def test_the_first_use_check_covers_every_op_and_passes_the_reference_and_the_cpu_kernels():
+    from minivllm.kernels import selfcheck
+
+    assert sorted(selfcheck.cases("cpu", torch.float32)) == sorted(KERNEL_OPS)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert selfcheck.failing_ops(reference, reference, "cpu", dtype) == {}
+    if cpu is not None:  # another implementation of every op, in float32
+        assert selfcheck.failing_ops(cpu, reference) == {}
+
+
+@pytest.mark.parametrize("broken", BROKEN, ids=list(BROKEN))
+def test_the_first_use_check_names_the_op_that_fails(broken):
+    from minivllm.kernels import selfcheck
+
+    op, fn = BROKEN[broken]
+    failing = selfcheck.failing_ops(_table_with(**{op: fn}), reference)
+    assert list(failing) == [op], failing
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """choose() as on a CUDA machine with triton: the table is whatever module the test puts in triton_ops' place,
+    checked on the CPU (there is no GPU here)."""
+    from minivllm.kernels import selfcheck
+
+    check = selfcheck.failing_ops
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(selfcheck, "failing_ops", lambda table, oracle, device, dtype: check(table, oracle))
+    kernels.triton_table.cache_clear()
+
+    def use(table):
+        monkeypatch.setitem(sys.modules, "minivllm.kernels.triton_ops", table)
+        monkeypatch.setattr(kernels, "triton_ops", table, raising=False)
+    yield use
+    kernels.triton_table.cache_clear()
+
+
+def test_choose_falls_back_to_the_reference_with_one_warning_when_a_triton_op_fails_its_check(fake_cuda):
+    """A Triton kernel never run on this GPU cannot take a reader's runtime down: ``auto`` checks the table at
+    first use, and one failing op sends the reference, with one warning naming it (not once per model)."""
+    fake_cuda(_table_with(paged_attention=_raises))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernels.choose("auto", "cuda", torch.bfloat16) == ("reference", reference)
+        assert kernels.choose("auto", "cuda", torch.bfloat16) == ("reference", reference)
+        with pytest.raises(ValueError, match="kernels='triton' cannot run here"):
+            kernels.choose("triton", "cuda", torch.bfloat16)
+    assert len(caught) == 1 and "paged_attention: RuntimeError" in str(caught[0].message)
+
+
+def test_choose_picks_a_triton_table_that_passes_its_check(fake_cuda):
+    good = _table_with()
+    fake_cuda(good)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernels.choose("auto", "cuda", torch.bfloat16) == ("triton", good)
+
+
 TRITON_SCRIPT = """
 import itertools, math, torch
 from minivllm.kernels import reference, triton_ops
@@ -278,6 +653,14 @@ for seed, (lens, block_size, (h, kvh, d)) in enumerate([
         assert "block_table" in str(e)
     else:
         raise AssertionError("a block id outside the pool was not refused")
+one = [torch.tensor(v, dtype=torch.int32) for v in ([[0, 1]], [3], [0, 1])]
+for q_shape, kv_shape in [((1, 0, 16), (8, 1, 16)), ((1, 2, 16), (8, 0, 16)), ((1, 2, 0), (8, 1, 0))]:
+    try:  # no heads, no KV heads (once a ZeroDivisionError), head_dim 0
+        triton_ops.paged_attention(torch.randn(q_shape), torch.randn(kv_shape), torch.randn(kv_shape), *one, 4)
+    except ValueError as e:
+        assert "heads" in str(e), e
+    else:
+        raise AssertionError(f"q {q_shape} over a cache {kv_shape} was not refused")
 print("ok")
 """
 

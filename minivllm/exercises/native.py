@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -36,8 +35,11 @@ def compiler_status() -> str:
     cxx = build.compiler()
     if cxx is None:
         return NO_COMPILER
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    return f"C++ compiler: {cxx} ({version[0] if version else 'version unknown'})"
+    try:
+        version = build.compiler_version(cxx) or "version unknown"
+    except build.BuildError as e:  # it hangs: stopped at the build's time limit
+        version = str(e)
+    return f"C++ compiler: {cxx} ({version})"
 
 
 def build_kernels(path: Path | str = PART, quiet: bool = False) -> CpuKernels:

@@ -31,12 +31,19 @@ from minivllm.kernels import reference
 @functools.cache
 def cpu_table():
     """The C++ kernels (:class:`~minivllm.kernels.cpu.CpuKernels`), built for this machine at first use (once per
-    process); None, with one warning naming the cause, where they cannot be built here (no compiler, or it fails)."""
+    process; a cached build that fails its SHA-256 check, or passes it yet does not load, is built again once);
+    None, with one warning naming the cause, where they cannot be built here (no compiler, it fails, or it runs
+    past the build's time limit)."""
     from minivllm.kernels import build
     from minivllm.kernels.cpu import CpuKernels
 
     try:
-        return CpuKernels(build.load(build.build()))
+        path = build.build()
+        try:
+            lib = build.load(path)
+        except (build.BuildError, OSError):  # its bytes are what was recorded, yet it is no library of ours
+            lib = build.load(build.build(fresh=True))
+        return CpuKernels(lib)
     except (build.BuildError, OSError) as e:
         warnings.warn(f"minivllm: the CPU kernels are not available, the PyTorch reference runs instead: {e}",
                       RuntimeWarning, stacklevel=2)
@@ -44,13 +51,19 @@ def cpu_table():
 
 
 @functools.cache
-def triton_table() -> types.ModuleType | None:
-    """The Triton kernels where Triton and a CUDA device are there; None otherwise."""
+def triton_table(dtype: torch.dtype = torch.float32) -> types.ModuleType | None:
+    """The Triton kernels where Triton and a CUDA device are there and every op passes its first-use check in
+    ``dtype`` (:mod:`~minivllm.kernels.selfcheck`: one small case per op against the reference, once per process
+    and dtype); None otherwise, with one warning naming a failing op."""
     try:
         from minivllm.kernels import triton_ops
     except ImportError:
         return None
-    return triton_ops if torch.cuda.is_available() else None
+    if not torch.cuda.is_available():
+        return None
+    from minivllm.kernels import selfcheck
+
+    return selfcheck.checked(triton_ops, "Triton", torch.device("cuda"), dtype)
 
 
 def table_name(ops) -> str:
@@ -63,7 +76,8 @@ def choose(kind, device, dtype) -> tuple[str, object]:
     """The table a model on ``device`` in ``dtype`` runs, and its name (chapter 18).
 
     ``"auto"``: on the CPU in float32 the C++ kernels where they build, on
-    CUDA the Triton ones where Triton is installed, else the reference.
+    CUDA the Triton ones where Triton is installed and they pass their
+    first-use check (:func:`triton_table`), else the reference.
     ``"cpu"`` and ``"triton"`` ask for those (a ``ValueError`` where they
     cannot apply), ``"reference"`` pins the PyTorch ops. A rule, never a race.
     A table itself (exercise 18: a ``CpuKernels`` built from the reader's
@@ -85,9 +99,10 @@ def choose(kind, device, dtype) -> tuple[str, object]:
         ops = cpu_table()
         if ops is not None:
             return "cpu", ops
-    if kind in ("auto", "triton") and device.type == "cuda" and triton_table() is not None:
-        return "triton", triton_table()
+    if kind in ("auto", "triton") and device.type == "cuda" and triton_table(dtype) is not None:
+        return "triton", triton_table(dtype)
     if kind != "auto":
         raise ValueError(f"kernels={kind!r} cannot run here ({device.type}, {dtype}): the C++ kernels are for "
-                         f"float32 on the CPU, built with a C++ compiler; the Triton ones for CUDA with triton")
+                         f"float32 on the CPU, built with a C++ compiler; the Triton ones for CUDA with triton, once "
+                         f"they pass their first-use check")
     return "reference", reference

@@ -8,15 +8,26 @@ decides the binary: the sources, the compiler, its flags, and this CPU's
 instruction sets (a build made on another CPU, in a shared home directory, is
 never loaded here). ``-fopenmp`` links libgomp, the OpenMP runtime torch has
 already loaded, so the kernels' threads are torch's own team.
+
+The cache is not trusted as found: a build is written to a temporary file,
+synced to disk and renamed into place, then its SHA-256 beside it (a sidecar
+``.sha256`` file, written the same way); a library whose bytes do not match it
+(truncated by a full disk, emptied, overwritten) is never loaded but built
+again. The compiler runs under a time limit (:data:`BUILD_TIMEOUT_S`, or
+``$MINIVLLM_BUILD_TIMEOUT``): one that hangs is stopped with its children and
+the build fails with a :class:`BuildError` naming the limit.
 """
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import hashlib
+import math
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -28,6 +39,7 @@ from minivllm.config import cache_dir
 CSRC = Path(__file__).parent / "csrc"
 INNER = CSRC / "inner.cpp"  # minivllm's inner loops; exercise 18 builds a reader's in their place
 FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]  # no ABI notes
+BUILD_TIMEOUT_S = 300.0  # seconds a compiler run may take (a build takes a few): $MINIVLLM_BUILD_TIMEOUT sets another
 
 
 class BuildError(RuntimeError):
@@ -40,6 +52,84 @@ def compiler() -> str | None:
         if name and shutil.which(name):
             return name
     return None
+
+
+def compiler_version(cxx: str) -> str:
+    """The first line of ``cxx --version`` ("" where it prints none), under the build's time limit."""
+    lines = _run([cxx, "--version"]).stdout.splitlines()
+    return lines[0] if lines else ""
+
+
+def build_timeout() -> float:
+    """The compiler's time limit in seconds: ``$MINIVLLM_BUILD_TIMEOUT``, else :data:`BUILD_TIMEOUT_S`."""
+    value = os.environ.get("MINIVLLM_BUILD_TIMEOUT")
+    if value is None:
+        return BUILD_TIMEOUT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not (0 < seconds < math.inf):
+        raise BuildError(f"MINIVLLM_BUILD_TIMEOUT must be a positive number of seconds, got {value!r}")
+    return seconds
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    """``command`` in a process group of its own, under :func:`build_timeout`: past it the whole group (the
+    compiler's cc1plus, as and ld too) is killed and a :class:`BuildError` names the limit."""
+    limit = build_timeout()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended just now
+            pass
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+        raise BuildError(f"{command[0]} did not finish within {limit:g} s (the build's time limit, "
+                         f"BUILD_TIMEOUT_S or $MINIVLLM_BUILD_TIMEOUT): stopped") from None
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def digest_path(library: Path) -> Path:
+    """Where a cached library's SHA-256 is kept: beside it, ``<name>.sha256``."""
+    return library.with_name(library.name + ".sha256")
+
+
+def verified(library: Path) -> bool:
+    """Whether ``library`` is there and its bytes match the SHA-256 recorded when it was built."""
+    try:
+        return digest_path(library).read_text().strip() == _sha256(library)
+    except OSError:
+        return False
+
+
+def _temporary(folder: Path, suffix: str) -> Path:
+    """A new empty file in ``folder`` (the cache's own, so that the rename into place is atomic)."""
+    fd, name = tempfile.mkstemp(suffix=suffix, dir=folder)
+    os.close(fd)
+    return Path(name)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """``tmp`` renamed to ``target`` once its bytes are on disk, and the rename synced too (the folder's entry):
+    a crash leaves the old file or the new one, never a part of it."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, target)
+    folder = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def cpu_key() -> str:
@@ -56,34 +146,43 @@ def cpu_key() -> str:
     return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} {' '.join(sorted(flags.split()))}"
 
 
-def build(inner: Path = INNER, quiet: bool = False, isa: tuple[str, ...] = ("-march=native",)) -> Path:
+def build(inner: Path = INNER, quiet: bool = False, isa: tuple[str, ...] = ("-march=native",),
+          fresh: bool = False) -> Path:
     """The shared library of :mod:`minivllm.kernels`' CPU ops with ``inner`` as its inner loops: built now if no
-    build for these sources, this compiler and this CPU is cached, else the cached one (``$MINIVLLM_CACHE/kernels``).
-    ``isa`` are the instruction-set flags (the tests build an AVX2 library on an AVX-512 machine too, so both
-    vector widths are checked here). Raises :class:`BuildError` where it cannot be built."""
+    build for these sources, this compiler and this CPU is cached, else the cached one (``$MINIVLLM_CACHE/kernels``)
+    once its bytes match their recorded SHA-256 (:func:`verified`; else it is built again). ``isa`` are the
+    instruction-set flags (the tests build an AVX2 library on an AVX-512 machine too, so both vector widths are
+    checked here); ``fresh`` builds anew whatever is cached. Raises :class:`BuildError` where it cannot be built
+    (no compiler, it fails, or it runs past :func:`build_timeout`)."""
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found (set $CXX, or install g++: apt-get install g++)")
     inner = Path(inner).resolve()
     sources = [CSRC / "ops.cpp", CSRC / "inner.h", inner]
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    version = [compiler_version(cxx)]
     digest = hashlib.sha256()
     for part in [*(p.read_bytes() for p in sources), str(version).encode(), " ".join(FLAGS + list(isa)).encode(),
                  cpu_key().encode()]:
         digest.update(hashlib.sha256(part).digest())
     target = cache_dir() / "kernels" / digest.hexdigest()[:16] / "libminivllm_kernels.so"
-    if target.exists():
+    if not fresh and verified(target):
         return target
+    bad = target.exists() and not fresh  # a cached build whose bytes are not what was built (truncated, garbled)
     target.parent.mkdir(parents=True, exist_ok=True)
     if not quiet:
-        print(f"minivllm: building the CPU kernels for this machine ({inner.name}; once, a few seconds)", flush=True)
-    tmp = Path(tempfile.mkstemp(suffix=".so", dir=target.parent)[1])
+        print(f"minivllm: building the CPU kernels for this machine ({inner.name}; once, a few seconds)"
+              f"{': the cached build failed its SHA-256 check' if bad else ''}", flush=True)
+    tmp = _temporary(target.parent, ".so")
     base = [cxx, *FLAGS, f'-DMINIVLLM_INNER="{inner}"', f"-I{CSRC}", str(CSRC / "ops.cpp"), "-o", str(tmp)]
     try:
         for march in (list(isa), []):  # a compiler that cannot target this CPU gets its default ISA
-            done = subprocess.run(base[:1] + march + base[1:], capture_output=True, text=True)
+            done = _run(base[:1] + march + base[1:])
             if done.returncode == 0:
-                os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+                sha = _sha256(tmp)
+                _publish(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+                record = _temporary(target.parent, ".sha256")
+                record.write_text(sha + "\n")
+                _publish(record, digest_path(target))  # after the library: a crash between leaves it unverified
                 return target
         raise BuildError(f"{cxx} failed on {inner.name}:\n{done.stderr.strip()[-3000:]}")
     finally:
@@ -91,7 +190,8 @@ def build(inner: Path = INNER, quiet: bool = False, isa: tuple[str, ...] = ("-ma
 
 
 def load(path: Path) -> ctypes.CDLL:
-    """The built library, its functions typed (``import torch`` has run: libgomp is torch's)."""
+    """The built library, its functions typed (``import torch`` has run: libgomp is torch's). A library without
+    every op's function raises :class:`BuildError` naming the first missing (it is no build of these sources)."""
     lib = ctypes.CDLL(str(path))
     P, I64, F, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     signatures = {
@@ -106,6 +206,10 @@ def load(path: Path) -> ctypes.CDLL:
         "mv_q8_0_linear": [P, P, P, P, I64, I64, I64, I],
         "mv_q8_0_embedding": [P, P, P, I64, I64, I64],
     }
+    for name in [*signatures, "mv_last_error"]:
+        if not hasattr(lib, name):
+            _ctypes.dlclose(lib._handle)  # unloaded: a build put at the same path is then loaded afresh, not this
+            raise BuildError(f"{path} has no function {name}: not a build of minivllm's kernels")
     for name, args in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, I

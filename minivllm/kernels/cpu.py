@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import numbers
+import operator
 
 import torch
 
@@ -38,26 +40,33 @@ def _named(fn):
     return op
 
 
+def _plain(t, name: str) -> None:
+    """Refuse what is no torch tensor, and a negative or conjugate view (``torch._neg_view``, ``.conj()``): its
+    memory does not hold its values, and C++ reads the memory."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.is_neg() or t.is_conj():
+        raise ValueError(f"{name} is a negative or conjugate view, whose memory does not hold its values: pass "
+                         f"{name}.resolve_neg() (or .resolve_conj())")
+
+
 def _tensor(t, name: str, dtype=torch.float32, dims: int | None = None) -> int:
     """``t``'s address, once it is a contiguous CPU tensor of ``dtype`` (with ``dims`` dimensions)."""
-    try:
-        if t.dtype is dtype and t.is_cpu and t.is_contiguous() and (dims is None or t.dim() == dims):
-            return t.data_ptr()
-    except AttributeError:  # not a tensor at all
-        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}") from None
+    _plain(t, name)
+    if t.dtype is dtype and t.is_cpu and t.is_contiguous() and (dims is None or t.dim() == dims):
+        return t.data_ptr()
     shape = f"{dims}-d " if dims is not None else ""
     raise ValueError(f"{name} must be a contiguous {shape}{dtype} CPU tensor, got {tuple(t.shape)} {t.dtype} "
                      f"on {t.device}{'' if t.is_contiguous() else ', not contiguous'}")
 
 
 def _rows(t, name: str, dims: int = 3) -> tuple[int, int]:
-    """A float32 CPU tensor whose last dims are contiguous (a view of a wider row is fine): (address, row stride)."""
-    try:
-        ok = t.dtype is torch.float32 and t.is_cpu and t.dim() == dims
-    except AttributeError:
-        ok = False
-    if not ok:
+    """A float32 CPU tensor whose last dims are contiguous (a view of a wider row is fine): (address, row stride).
+    Its tokens may be none; its heads and their dimension may not."""
+    if not (isinstance(t, torch.Tensor) and t.dtype is torch.float32 and t.is_cpu and t.dim() == dims):
         raise ValueError(f"{name} must be a {dims}-d float32 CPU tensor")
+    _plain(t, name)
+    _shape(min(t.shape[1:]) >= 1, f"{name} {tuple(t.shape)} has no heads or a head_dim of 0")
     stride = t.stride()
     if stride[-1] != 1 or stride[-2] != t.shape[-1]:
         raise ValueError(f"{name}'s heads must be contiguous within a token, got strides {stride}")
@@ -69,8 +78,27 @@ def _shape(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _eps(eps) -> float:
+    """A norm's epsilon: a finite real number >= 0 (a string or a tensor is refused, naming ``eps``)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    return float(eps)
+
+
+def _count(n, name: str) -> int:
+    """A positive int (a Python or NumPy int; a float, a bool or a string is refused, naming it)."""
+    try:
+        value = None if isinstance(n, bool) else operator.index(n)
+    except TypeError:
+        value = None
+    if value is None or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {n!r}")
+    return value
+
+
 def _few_rows(x, weight_rows: int, bias, in_features: int):
     xp = _tensor(x, "x", dims=2)
+    _shape(x.shape[1] >= 1, f"x {tuple(x.shape)} has no input features")
     _shape(1 <= x.shape[0] <= MAX_ROWS, f"x has {x.shape[0]} rows: the matvec kernels take 1 to {MAX_ROWS}")
     _shape(x.shape[1] == in_features, f"x {tuple(x.shape)} must have the weight's {in_features} input features")
     bp = None
@@ -81,7 +109,9 @@ def _few_rows(x, weight_rows: int, bias, in_features: int):
 
 
 def _quantized(qweight, x, per_block: int) -> int:
+    _tensor(x, "x", dims=2)
     wp = _tensor(qweight, "qweight", torch.uint8, 2)
+    _shape(qweight.shape[0] >= 1, f"qweight {tuple(qweight.shape)} has no rows (output features)")
     _shape(x.shape[-1] % QBLOCK == 0 and qweight.shape[1] == x.shape[-1] // QBLOCK * per_block,
            f"qweight {tuple(qweight.shape)} does not hold {x.shape[-1]} input features in blocks of {QBLOCK}")
     return wp
@@ -142,6 +172,8 @@ class CpuKernels:
         B = seq_lens.shape[0]
         _shape(v_cache.shape == k_cache.shape and k_cache.shape[2] == D,
                f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be [slots, kv_heads, {D}]")
+        _shape(k_cache.shape[1] >= 1 and H % k_cache.shape[1] == 0,
+               f"q's {H} heads must be a multiple of k_cache's {k_cache.shape[1]} KV heads (at least one)")
         _shape(block_table.shape[0] == B and query_start.shape[0] == B + 1,
                f"block_table {tuple(block_table.shape)}, seq_lens ({B},) and query_start {tuple(query_start.shape)} "
                f"must describe the same sequences")
@@ -155,17 +187,21 @@ class CpuKernels:
     @_named
     def rms_norm(self, x, weight, eps: float) -> torch.Tensor:
         xp, wp = _tensor(x, "x", dims=2), _tensor(weight, "weight", dims=1)
+        _shape(x.shape[1] >= 1, f"x {tuple(x.shape)} has rows of no elements")
         _shape(weight.shape[0] == x.shape[1], f"weight {tuple(weight.shape)} must match x's rows {tuple(x.shape)}")
         out = torch.empty_like(x)
-        self._check(self.lib.mv_rms_norm(out.data_ptr(), xp, wp, x.shape[0], x.shape[1], eps, torch.get_num_threads()))
+        self._check(self.lib.mv_rms_norm(out.data_ptr(), xp, wp, x.shape[0], x.shape[1], _eps(eps),
+                                         torch.get_num_threads()))
         return out
 
     @_named
     def fused_add_rms_norm(self, x, residual, weight, eps: float):
         xp, rp, wp = _tensor(x, "x", dims=2), _tensor(residual, "residual", dims=2), _tensor(weight, "weight", dims=1)
+        _shape(x.shape[1] >= 1, f"x {tuple(x.shape)} has rows of no elements")
         _shape(residual.shape == x.shape and weight.shape[0] == x.shape[1],
                f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and weight {tuple(weight.shape)} do not match")
-        self._check(self.lib.mv_fused_add_rms_norm(xp, rp, wp, x.shape[0], x.shape[1], eps, torch.get_num_threads()))
+        self._check(self.lib.mv_fused_add_rms_norm(xp, rp, wp, x.shape[0], x.shape[1], _eps(eps),
+                                                   torch.get_num_threads()))
         return x, residual
 
     @_named
@@ -184,7 +220,7 @@ class CpuKernels:
     @_named
     def silu_and_mul(self, x) -> torch.Tensor:
         xp = _tensor(x, "x", dims=2)
-        _shape(x.shape[1] % 2 == 0, f"x {tuple(x.shape)} must be [T, 2 * intermediate]")
+        _shape(x.shape[1] % 2 == 0 and x.shape[1] >= 2, f"x {tuple(x.shape)} must be [T, 2 * intermediate]")
         out = torch.empty(x.shape[0], x.shape[1] // 2)
         self._check(self.lib.mv_silu_and_mul(out.data_ptr(), xp, x.shape[0], x.shape[1] // 2, torch.get_num_threads()))
         return out
@@ -192,6 +228,7 @@ class CpuKernels:
     @_named
     def linear(self, x, weight, bias=None) -> torch.Tensor:
         wp = _tensor(weight, "weight", dims=2)
+        _shape(min(weight.shape) >= 1, f"weight {tuple(weight.shape)} has no output or no input features")
         xp, bp, out = _few_rows(x, weight.shape[0], bias, weight.shape[1])
         self._check(self.lib.mv_linear_f32(out.data_ptr(), xp, wp, bp, x.shape[0], weight.shape[0], weight.shape[1],
                                   torch.get_num_threads()))
@@ -216,6 +253,7 @@ class CpuKernels:
     @_named
     def q8_0_embedding(self, ids, table, width: int) -> torch.Tensor:
         ip, tp = _tensor(ids, "ids", torch.int64, 1), _tensor(table, "table", torch.uint8, 2)
+        width = _count(width, "width")
         _shape(width % QBLOCK == 0 and table.shape[1] == width // QBLOCK * Q8_0_BYTES,
                f"table {tuple(table.shape)} does not hold rows of {width} in Q8_0 blocks")
         out = torch.empty(ids.shape[0], width)

@@ -97,9 +97,9 @@ def _check_attention(q, k_cache, block_table, seq_lens, query_start, block_size:
     """The C++ kernel's checks, as tensor ops (one read back to the host)."""
     T, H, D = q.shape
     kvh = k_cache.shape[1]
-    if H % kvh or D & (D - 1) or k_cache.shape[2] != D:
-        raise ValueError(f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: heads must divide by KV heads, "
-                         f"and head_dim be a power of two")
+    if min(H, kvh, D) < 1 or H % kvh or D & (D - 1) or k_cache.shape[2] != D:
+        raise ValueError(f"q {tuple(q.shape)} and k_cache {tuple(k_cache.shape)}: heads must divide by KV heads "
+                         f"(at least one of each), and head_dim be a power of two")
     if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32 or query_start.dtype != torch.int32:
         raise ValueError("block_table, seq_lens and query_start must be int32")
     qlen = query_start[1:] - query_start[:-1]

@@ -64,7 +64,8 @@ int mv_paged_attention(float* out, const float* q, int64_t q_stride, const float
                        const int32_t* block_table, int64_t width, const int32_t* seq_lens,
                        const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                        int64_t block_size, int64_t num_blocks, float scale, int nthreads) {
-  if (KVH < 1 || H % KVH != 0) return fail("query heads (%lld) must be a multiple of KV heads (%lld)", H, KVH);
+  if (H < 1 || KVH < 1 || H % KVH != 0)  // H = 0 would pass H % KVH and divide by zero below
+    return fail("query heads (%lld) must be a positive multiple of KV heads (%lld)", H, KVH);
   if (D < 1 || D > kMaxHeadDim) return fail("head_dim %lld: the kernel takes 1 to %lld", D, kMaxHeadDim);
   if (H / KVH > kMaxTile) return fail("%lld query heads per KV head: the kernel takes at most %lld", H / KVH,
                                       kMaxTile);
@@ -180,6 +181,10 @@ int mv_silu_and_mul(float* out, const float* x, int64_t T, int64_t I, int nthrea
     for (; i + kLanes <= I; i += kLanes) {
       const fvec g = load(gate + i);
       store(o + i, g / (1.0f + exp_lanes(-g)) * load(up + i));
+      // exp_lanes stops at exp(88): a gate below -88 (or -inf) is redone as the scalar tail does, where exp(-gate)
+      // grows to inf as the reference's does (silu(-100) is -0, silu(-inf) NaN, even times an up of 1e38)
+      for (int j = 0; j < kLanes; ++j)
+        if (g[j] < -88.0f) o[i + j] = gate[i + j] / (1.0f + std::exp(-gate[i + j])) * up[i + j];
     }
     for (; i < I; ++i) o[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
   }
