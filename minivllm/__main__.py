@@ -510,6 +510,8 @@ def main(argv=None) -> int:
                 check_workload_sizes(args.workload, **{size: getattr(args, size)})
             except ValueError as e:
                 b.error(f"argument --{size.replace('_', '-')}: {e}")
+    if args.gguf_activations != "int8" and not args.quantization:
+        b.error("argument --gguf-activations: only with --quantization gguf (it says what the GGUF's blocks multiply)")
     if args.server:
         if args.compare and args.compare != ["none"]:
             b.error("argument --compare: not with --server (the baselines run in this process)")

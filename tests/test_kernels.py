@@ -449,3 +449,16 @@ def test_quantize_q8_1_refuses_what_is_not_rows_of_whole_blocks():
     for bad in (torch.randn(2, 40), torch.randn(64), torch.randn(2, 64).double(), torch.randn(64, 2).T, "x"):
         with pytest.raises(ValueError, match="x"):
             cpu.quantize_q8_1(bad)
+
+
+@pytest.mark.parametrize("march,kind", [("icelake-server", b"avx512-vnni"), ("alderlake", b"avx-vnni")])
+def test_the_vnni_paths_compile_for_the_cpus_that_have_them(march, kind):
+    """This machine may lack VNNI, so its dot products are only compiled here: for an AVX-512 VNNI Xeon and for an
+    AVX-VNNI client CPU the build picks dpbusd (the library names its kind; a refused build would fall back to this
+    CPU's and name another). That they give the other paths' bits: test_every_cpu_path_gives_the_int8_matvecs_same_bits
+    on such a machine."""
+    flags = build.cpu_key().split()
+    if build.compiler() is None or not flags or flags[0] != "x86_64":
+        pytest.skip("needs a C++ compiler on x86-64")
+    library = build.build(quiet=True, isa=(f"-march={march}",))
+    assert kind + b"\0" in library.read_bytes()
