@@ -191,6 +191,7 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
     @property
     def gguf_dot(self) -> str | None:
         """How decode rows meet the GGUF's blocks (chapter 18): None without them, "float32" (the rows as they are),
