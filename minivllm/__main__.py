@@ -186,7 +186,7 @@ def _print_report(args, workload, results, slo, limits, bound) -> None:
           f"peak {max(used):.0%}; slots in partly filled blocks {100 * sum(waste) / max(1, len(waste)):.1f}% of used; "
           f"preemptions {ours.stats.num_preemptions}; {len(ours.steps)} steps")
     print(f"attention: {ours.stats.attention_kernel}; kernels: {ours.stats.kernels}"
-          + (f"; weights: {ours.stats.quantization}" if ours.stats.quantization else ""))
+          + (f"; weights: {ours.stats.quantization} ({ours.stats.gguf_dot})" if ours.stats.quantization else ""))
     if limits:
         print(f"machine: {limits}")
         print(f"roofline for this workload: {bound['seconds']:.2f} s ({bound['prefill_s']:.2f} s prefill, "
@@ -284,7 +284,8 @@ def _bench(args, parser) -> int:
         print(f"matmuls: the row-major weights up to {model.plain_max_rows} rows, oneDNN's packed ones above",
               flush=True)
     print(f"kernels: {model.kernels}" + (f"; decode rows read the GGUF's blocks as stored (up to "
-                                         f"{QUANTIZED_MAX_ROWS} rows)" if model.quantization else ""), flush=True)
+                                         f"{QUANTIZED_MAX_ROWS} rows), activations {model.gguf_dot}"
+                                         if model.quantization else ""), flush=True)
     opts = _engine_options(args, device)
     peers = [c for c in compare if c in COMPARE_PEERS]
     installed = any(peer_installed(COMPARE_PEERS[key][0]) for key in peers)
@@ -509,6 +510,8 @@ def main(argv=None) -> int:
                 check_workload_sizes(args.workload, **{size: getattr(args, size)})
             except ValueError as e:
                 b.error(f"argument --{size.replace('_', '-')}: {e}")
+    if args.gguf_activations != "int8" and not args.quantization:
+        b.error("argument --gguf-activations: only with --quantization gguf (it says what the GGUF's blocks multiply)")
     if args.server:
         if args.compare and args.compare != ["none"]:
             b.error("argument --compare: not with --server (the baselines run in this process)")

@@ -19,8 +19,10 @@ DTYPE_CHOICES = ("auto", *DTYPES)  # "auto": float32 on the CPU, bfloat16 on CUD
 CPU_KV_BUDGET_BYTES = 4 << 30  # on the CPU the memory fraction applies to at most 4 GiB
 KERNEL_TABLES = ("auto", "reference", "cpu", "triton")  # minivllm.kernels.choose (chapter 18)
 KERNEL_OPS = ("write_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "linear",
-              "q4_1_linear", "q8_0_linear", "q8_0_embedding")  # what a kernel table holds (minivllm.kernels)
+              "q4_1_linear", "q8_0_linear", "q8_0_embedding", "quantize_q8_1", "q4_1_q8_1_linear",
+              "q8_0_q8_0_linear")  # what a kernel table holds (minivllm.kernels)
 QUANTIZATIONS = (None, "gguf")  # "gguf": the embedded model's blocks as stored (chapter 18)
+GGUF_ACTIVATIONS = ("int8", "float32")  # what the GGUF's blocks multiply: llama.cpp's 8-bit rows, or float32 ones
 
 
 def cache_dir() -> Path:
@@ -186,7 +188,17 @@ class EngineConfig:
     the embedded SmolLM2, float32 on the CPU, one process) keeps the GGUF
     file's blocks too, Q4_1 for the layers and Q8_0 for the tied embedding,
     and multiplies decode batches of up to eight rows through them as stored;
-    prefill keeps the float32 copy they dequantise to.
+    prefill keeps the float32 copy they dequantise to. ``gguf_activations``
+    says what those rows are. ``"int8"`` (the default) is llama.cpp's
+    arithmetic: each row is rounded once per matmul to 8-bit blocks of 32
+    (Q8_1: a scale, and the block's sum for Q4_1's minimum) and meets each
+    weight block in integer dot products, many multiplies an instruction
+    (``maddubs``, or ``dpbusd`` with VNNI), the float scales applied once a
+    block: rounding the activations changes the logits, so this mode is no
+    longer HF-exact (its oracle is llama.cpp on the same file;
+    ``stats().gguf_dot`` names the instructions). ``"float32"`` keeps the
+    rows as they are: each weight is converted to the float32 value of the
+    checkpoint, so the greedy tokens are the float32 engine's (chapter 18).
 
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,
@@ -243,6 +255,7 @@ class EngineConfig:
     enforce_eager: bool = False
     kernels: object = "auto"  # a table's name (KERNEL_TABLES), or a kernel table (is_kernel_table; chapter 18)
     quantization: str | None = None
+    gguf_activations: str = "int8"  # with quantization="gguf": "int8" (llama.cpp's arithmetic) or "float32" (exact)
     disaggregated: bool = False
     kv_transfer_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | None = None
@@ -345,6 +358,10 @@ class EngineConfig:
         check(self.quantization in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}", self.quantization)
         check(self.quantization is None or (self.tensor_parallel_size == 1 and not self.disaggregated),
               "quantization", "None with tensor_parallel_size > 1 or disaggregated=True", self.quantization)
+        check(self.gguf_activations in GGUF_ACTIVATIONS, "gguf_activations", f"one of {GGUF_ACTIVATIONS}",
+              self.gguf_activations)
+        check(self.gguf_activations == "int8" or self.quantization == "gguf", "gguf_activations",
+              '"int8" (the default) unless quantization="gguf"', self.gguf_activations)
 
     def _check_tensor_parallel_devices(self) -> None:
         """Ranks need a device each on CUDA (NCCL), and the CPU (gloo) elsewhere (chapter 15)."""

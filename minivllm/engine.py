@@ -109,7 +109,7 @@ class LLMEngine:
         device = config.torch_device if self.workers is None else self.workers.device
         if self.workers is None:
             self.model, self.tokenizer = load_model(config.model, device, config.torch_dtype, config.pack_weights,
-                                                    config.kernels, config.quantization)
+                                                    config.kernels, config.quantization, config.gguf_activations)
         else:
             self.model = load_model_shard(config.model, self.workers.tp, device, config.torch_dtype, config.pack_weights,
                                           resolve_function(config.shard_weight, "shard_weight"), config.kernels)
@@ -563,6 +563,7 @@ class LLMEngine:
                 cuda_graph_sizes=tuple(sorted(graphs.graphs)) if graphs is not None else (),
                 kernels=getattr(self.model, "kernels", "reference"),
                 quantization=getattr(self.model, "quantization", None),
+                gguf_dot=getattr(self.model, "gguf_dot", None),
             )
 
     def _spec_stats(self) -> dict:

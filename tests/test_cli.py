@@ -92,6 +92,7 @@ MAIN_CASES = [  # (argv, the flag the message names, words of the allowed range)
      "--kernels/--quantization", "not with --server"),
     (BENCH + ["--quantization", "gguf", "--tensor-parallel-size", "3"], "--quantization", "--tensor-parallel-size > 1"),
     (BENCH + ["--kernels", "fast"], "--kernels", "invalid choice"),
+    (BENCH + ["--gguf-activations", "float32"], "--gguf-activations", "only with --quantization gguf"),
     (["generate", "Hi", "--model", "tiny-random", "--max-tokens", "0"], "--max-tokens", ">= 1"),
     (["generate", "Hi", "--model", "tiny-random", "--temperature", "-1"], "--temperature", ">= 0"),
     (["generate", "Hi", "--model", "tiny-random", "--temperature", "nan"], "--temperature", ">= 0"),

@@ -65,9 +65,10 @@ def test_optimisations_keep_smollm2_output(options, references):
                              "prompt_lookup_max": 4}),
 ], ids=["chunked+prefix", "swap", "speculative"])
 def test_gguf_weights_keep_smollm2_output(options, references):
-    """quantization='gguf' (the GGUF's 4-bit blocks read as stored by the C++ kernels for rows of up to eight
-    tokens: decode and verified drafts) gives HF's greedy tokens, with chunked prefill and prefix caching,
-    preemption and speculation. The float32 kernels: the tests above (kernels='auto')."""
+    """quantization='gguf' with float32 activations (the GGUF's 4-bit blocks read as stored by the C++ kernels for
+    rows of up to eight tokens: decode and verified drafts) gives HF's greedy tokens, with chunked prefill and prefix
+    caching, preemption and speculation. The float32 kernels: the tests above (kernels='auto'). The default 8-bit
+    activations are not HF-exact: tests/test_int8_activations.py."""
     from minivllm import kernels
 
     if kernels.cpu_table() is None:
@@ -75,10 +76,10 @@ def test_gguf_weights_keep_smollm2_output(options, references):
     prompts, expected = references("smollm2-135m")
     options = {"num_blocks": 1000, **options}
     llm = LLM("smollm2-135m", max_num_seqs=6, max_num_batched_tokens=768, device="cpu", quantization="gguf",
-              **options)
+              gguf_activations="float32", **options)
     outs = llm.generate(prompts[:6], greedy(MAX_NEW["smollm2-135m"]), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected[:6]
     stats = llm.engine.stats()
-    assert (stats.kernels, stats.quantization) == ("cpu", "gguf")
+    assert (stats.kernels, stats.quantization, stats.gguf_dot) == ("cpu", "gguf", "float32")
     if options["num_blocks"] == 110:
         assert stats.num_preemptions > 0

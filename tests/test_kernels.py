@@ -700,3 +700,148 @@ def test_an_avx2_build_agrees_with_the_reference_too(gguf_tensors):
     qweight = gguf_tensors["blk.0.ffn_down.weight"]
     x = torch.randn(2, 1536, generator=g)
     torch.testing.assert_close(avx2.q4_1_linear(x, qweight), reference.q4_1_linear(x, qweight), rtol=1e-5, atol=1e-4)
+
+
+# -- 8-bit activations: llama.cpp's integer dot products (csrc/int8_dot.h) ------------------------------------------
+
+INT8_OPS = {"q4_1": ("q4_1_q8_1_linear", reference.Q4_1_BYTES), "q8_0": ("q8_0_q8_0_linear", reference.Q8_0_BYTES)}
+
+
+def random_blocks(kind: str, n: int, blocks: int, g, scale: float = 0.01) -> torch.Tensor:
+    """``n`` rows of random Q4_1 or Q8_0 blocks (every quant byte random, -128 included) with fp16 scales in
+    [0, scale) (and minima in (-scale, scale))."""
+    per = INT8_OPS[kind][1]
+    qweight = torch.randint(0, 256, (n, blocks * per), dtype=torch.uint8, generator=g)
+    if blocks == 0:
+        return qweight
+    view = qweight.view(n, blocks, per)
+    view[..., 0:2] = (torch.rand(n, blocks, 1, generator=g) * scale).half().view(torch.uint8)
+    if kind == "q4_1":
+        view[..., 2:4] = ((torch.rand(n, blocks, 1, generator=g) * 2 - 1) * scale).half().view(torch.uint8)
+    return qweight
+
+
+@st.composite
+def int8_cases(draw):
+    """Rows 1-8, 0-48 blocks of 32 inputs, 1-40 outputs; activations of any scale (whole blocks of zeros, and blocks
+    small enough that d is an fp16 subnormal), with and without a bias."""
+    rows, blocks, n = draw(st.integers(1, 8)), draw(st.integers(0, 48)), draw(st.integers(1, 40))
+    scale = draw(st.sampled_from([0.0, 1e-4, 0.03, 1.0, 300.0]))
+    return rows, blocks, n, scale, draw(st.sampled_from(["q4_1", "q8_0"])), draw(st.booleans())
+
+
+@needs_cpu
+@settings(deadline=None, max_examples=60)
+@given(int8_cases(), st.integers(0, 2**16))
+def test_the_int8_matvecs_equal_their_references_within_the_stated_bound(case, seed):
+    """Q8_1 rounding bit for bit, and each output within reference.int8_dot_bound of the reference: the integer sums
+    are exact, only the float32 order of the block terms differs."""
+    rows, blocks, n, scale, kind, with_bias = case
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, blocks * 32, generator=g) * scale
+    if blocks > 1:
+        x[0, 32:64] = 0.0  # a block of zeros: d = 0, q = 0
+    qweight = random_blocks(kind, n, blocks, g)
+    bias = torch.randn(n, generator=g) if with_bias else None
+    assert torch.equal(cpu.quantize_q8_1(x), reference.quantize_q8_1(x))
+    op = INT8_OPS[kind][0]
+    got, want = getattr(cpu, op)(x, qweight, bias), getattr(reference, op)(x, qweight, bias)
+    bound = reference.int8_dot_bound(x, qweight, kind, bias)
+    assert ((got.double() - want.double()).abs() <= bound).all()
+
+
+@needs_cpu
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_the_int8_matvecs_on_the_embedded_models_weights(rows, gguf_tensors):
+    """The GGUF's own Q4_1 and Q8_0 blocks: within int8_dot_bound of the reference, and within the 8-bit rounding's
+    bound (reference.int8_rounding_bound) of the float32-activation kernel, which is exact to the float32 weights."""
+    g = torch.Generator().manual_seed(rows)
+    for name, in_features, kind in (("blk.0.ffn_down.weight", 1536, "q4_1"), ("blk.3.attn_q.weight", 576, "q4_1"),
+                                    ("token_embd.weight", 576, "q8_0")):
+        qweight = gguf_tensors[name]
+        x = torch.randn(rows, in_features, generator=g)
+        op = INT8_OPS[kind][0]
+        got = getattr(cpu, op)(x, qweight)
+        want = getattr(reference, op)(x, qweight)
+        assert ((got.double() - want.double()).abs() <= reference.int8_dot_bound(x, qweight, kind)).all()
+        dense = (reference.dequantize_q4_1 if kind == "q4_1" else reference.dequantize_q8_0)(qweight, in_features)
+        exact = x.double() @ dense.double().T
+        slack = (in_features // 32 + 8) * 2.0 ** -24 * (x.double().abs() @ dense.double().abs().T)  # float32 sums
+        moved = (got.double() - exact).abs()
+        assert (moved <= reference.int8_rounding_bound(x, dense) + slack).all()
+        assert moved.max() > 1e-3  # ... and the 8-bit rounding does move them: this is not the float32 kernel
+
+
+@needs_cpu
+def test_every_cpu_path_gives_the_int8_matvecs_same_bits(gguf_tensors):
+    """The same sums in the same order on every instruction set: a scalar build (no AVX2; software fp16) and, on an
+    AVX-512 machine, an AVX2 one give the native build's bits exactly, and each names its dot product."""
+    from minivllm.kernels.cpu import CpuKernels
+
+    flags = build.cpu_key().split()
+    if build.compiler() is None or not flags or flags[0] != "x86_64":
+        pytest.skip("needs a C++ compiler on x86-64 (the scalar build targets -march=x86-64)")
+    builds = {"scalar": ("-march=x86-64",)}
+    if "avx512f" in flags and "avx2" in flags:
+        builds["avx2-maddubs"] = ("-mavx2", "-mfma", "-mf16c")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 1536, generator=g)
+    x[1, :32] *= 1e-5  # an fp16-subnormal d: the software conversion's branch
+    cases = [("q4_1", gguf_tensors["blk.0.ffn_down.weight"], x), ("q8_0", gguf_tensors["token_embd.weight"][:4000],
+                                                                  x[:, :576].contiguous())]
+    for kind, flags_ in builds.items():
+        other = CpuKernels(build.load(build.build(quiet=True, isa=flags_)), f"cpu ({kind})")
+        assert other.int8_dot_kind == kind
+        assert torch.equal(other.quantize_q8_1(x), cpu.quantize_q8_1(x))
+        for weights, qweight, rows in cases:
+            op = INT8_OPS[weights][0]
+            bias = torch.randn(qweight.shape[0], generator=g)
+            assert torch.equal(getattr(other, op)(rows, qweight, bias), getattr(cpu, op)(rows, qweight, bias))
+    assert cpu.int8_dot_kind in ("avx512-vnni", "avx-vnni", "avx2-maddubs", "scalar")
+
+
+BAD_INT8 = [
+    ("nine rows", lambda a: a.__setitem__("x", torch.randn(9, 64)), "rows"),
+    ("no rows", lambda a: a.__setitem__("x", torch.randn(0, 64)), "rows"),
+    ("float64 x", lambda a: a.__setitem__("x", a["x"].double()), "x"),
+    ("a transposed x", lambda a: a.__setitem__("x", torch.randn(64, 2).T), "x"),
+    ("a list for x", lambda a: a.__setitem__("x", [[0.0] * 64]), "x"),
+    ("x of 1-d", lambda a: a.__setitem__("x", torch.randn(64)), "x"),
+    ("inputs not whole blocks", lambda a: a.__setitem__("x", torch.randn(2, 48)), "qweight"),
+    ("a block too few", lambda a: a.__setitem__("qweight", a["qweight"][:, :-4].contiguous()), "qweight"),
+    ("int8 weights", lambda a: a.__setitem__("qweight", a["qweight"].view(torch.int8)), "qweight"),
+    ("strided weights", lambda a: a.__setitem__("qweight", a["qweight"].repeat(1, 2)[:, ::2]), "qweight"),
+    ("a short bias", lambda a: a.__setitem__("bias", torch.zeros(3)), "bias"),
+    ("a float64 bias", lambda a: a.__setitem__("bias", torch.zeros(4, dtype=torch.float64)), "bias"),
+]
+
+
+@needs_cpu
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("what,spoil,name", BAD_INT8, ids=[b[0] for b in BAD_INT8])
+def test_the_int8_ops_refuse_bad_input_with_a_value_error_naming_the_argument(kind, what, spoil, name):
+    op, per = INT8_OPS[kind]
+    args = dict(x=torch.randn(2, 64), qweight=torch.zeros(4, 2 * per, dtype=torch.uint8), bias=None)
+    spoil(args)
+    with pytest.raises(ValueError, match=name):
+        getattr(cpu, op)(**args)
+
+
+@needs_cpu
+def test_quantize_q8_1_refuses_what_is_not_rows_of_whole_blocks():
+    for bad in (torch.randn(2, 40), torch.randn(64), torch.randn(2, 64).double(), torch.randn(64, 2).T, "x"):
+        with pytest.raises(ValueError, match="x"):
+            cpu.quantize_q8_1(bad)
+
+
+@pytest.mark.parametrize("march,kind", [("icelake-server", b"avx512-vnni"), ("alderlake", b"avx-vnni")])
+def test_the_vnni_paths_compile_for_the_cpus_that_have_them(march, kind):
+    """This machine may lack VNNI, so its dot products are only compiled here: for an AVX-512 VNNI Xeon and for an
+    AVX-VNNI client CPU the build picks dpbusd (the library names its kind; a refused build would fall back to this
+    CPU's and name another). That they give the other paths' bits: test_every_cpu_path_gives_the_int8_matvecs_same_bits
+    on such a machine."""
+    flags = build.cpu_key().split()
+    if build.compiler() is None or not flags or flags[0] != "x86_64":
+        pytest.skip("needs a C++ compiler on x86-64")
+    library = build.build(quiet=True, isa=(f"-march={march}",))
+    assert kind + b"\0" in library.read_bytes()

@@ -11,7 +11,7 @@ import sys
 from minivllm import LLM
 from minivllm.bench.trace import replay, warm_up
 from minivllm.bench.workloads import _blocks_for
-from minivllm.config import KERNEL_TABLES, available_devices, is_text, shown
+from minivllm.config import GGUF_ACTIVATIONS, KERNEL_TABLES, available_devices, is_text, shown
 
 __all__ = ["positive_int", "nonneg_int", "block_size_int", "top_k_int", "positive_finite_float", "nonneg_finite_float",
            "probability", "watermark_fraction", "device_name", "server_url", "writable_file", "MinMax", "add_min_max",
@@ -113,12 +113,17 @@ def add_kernel_flags(parser, whose: str = "") -> None:
     parser.add_argument("--quantization", choices=["gguf"], default=None,
                         help=f"{whose}decode rows read the embedded GGUF's Q4_1/Q8_0 blocks as stored (float32 on "
                              "the CPU; default: off)")
+    parser.add_argument("--gguf-activations", choices=GGUF_ACTIVATIONS, default="int8",
+                        help=f"{whose}with --quantization gguf, the decode rows: int8 rounds them to 8-bit blocks "
+                             "and multiplies integers, as llama.cpp; float32 keeps them, exact to the float32 "
+                             "weights (default: %(default)s)")
 
 
 def kernel_options(args) -> dict:
     """The engine options of ``--kernels`` and ``--quantization`` (only those not at their defaults)."""
     out = {"kernels": args.kernels} if args.kernels != "auto" else {}
-    return out | ({"quantization": args.quantization} if args.quantization else {})
+    out |= {"quantization": args.quantization} if args.quantization else {}
+    return out | ({"gguf_activations": args.gguf_activations} if args.gguf_activations != "int8" else {})
 
 
 def add_chunked_prefill_flag(parser, whose: str = "") -> None:

@@ -318,7 +318,7 @@ def serving_sweep_main(argv=None) -> int:
     engine = ["--block-size", str(args.block_size), "--max-num-seqs", str(args.max_num_seqs), "--num-blocks",
               str(args.num_blocks), "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     engine += ["--device", args.device] if args.device else []
-    engine += [f"--{name}={value}" for name, value in kernel_options(args).items()]
+    engine += [f"--{name.replace('_', '-')}={value}" for name, value in kernel_options(args).items()]
     if args.chunked_prefill:
         engine += ["--enable-chunked-prefill", "--max-prefill-chunk-size", str(args.chunked_prefill)]
     slo = {"ttft": args.slo_ttft / 1e3, "tpot": args.slo_tpot / 1e3}

@@ -489,7 +489,7 @@ def _check_live(table: CpuKernels) -> None:
     options = dict(block_size=16, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=256, dtype="float32",
                    device="cpu", enable_chunked_prefill=True, max_prefill_chunk_size=64)
     for quantization in (None, "gguf"):
-        extra = {"quantization": quantization} if quantization else {}
+        extra = {"quantization": quantization, "gguf_activations": "float32"} if quantization else {}  # your loop
         what = "your kernels" + (" with the GGUF's Q4_1 blocks (quantization='gguf')" if quantization else "")
         check_live(what, requests, parts={"kernels": table}, tokenizer=tok, **options, **extra)
 

@@ -5,7 +5,11 @@ What ``csrc/`` and ``_custom_ops.py`` are to vLLM. The ops: ``write_kv``
 of a step, each to its own length, through the block tables),
 ``rms_norm`` and ``fused_add_rms_norm``, ``rotary``, ``silu_and_mul``, and the
 few-rows matrix-vector products ``linear`` (float32), ``q4_1_linear`` and
-``q8_0_linear`` (the GGUF's blocks as stored) with ``q8_0_embedding``.
+``q8_0_linear`` (the GGUF's blocks as stored) with ``q8_0_embedding``; and
+llama.cpp's arithmetic for those blocks: ``quantize_q8_1`` (a row of
+activations rounded to 8-bit blocks of 32), ``q4_1_q8_1_linear`` and
+``q8_0_q8_0_linear`` (integer dot products, the block scales applied once a
+block; the C++ table's ``int8_dot_kind`` names the instructions).
 
 Three tables share those names: :mod:`~minivllm.kernels.reference` (PyTorch:
 the oracle, and the fallback), :mod:`~minivllm.kernels.cpu` (C++ for the

@@ -20,7 +20,7 @@ import operator
 
 import torch
 
-from minivllm.kernels.reference import Q4_1_BYTES, Q8_0_BYTES, QBLOCK
+from minivllm.kernels.reference import Q4_1_BYTES, Q8_0_BYTES, Q8_1_BYTES, QBLOCK
 
 MAX_ROWS = 8  # rows the few-rows matmuls take at once (csrc kMaxRows)
 NOT_WRITTEN = 2  # an op's status when its inner loop is exercise 18's stub (csrc kNotWritten): NotImplementedError
@@ -258,4 +258,42 @@ class CpuKernels:
                f"table {tuple(table.shape)} does not hold rows of {width} in Q8_0 blocks")
         out = torch.empty(ids.shape[0], width)
         self._check(self.lib.mv_q8_0_embedding(out.data_ptr(), ip, tp, ids.shape[0], table.shape[0], width))
+        return out
+
+    # -- 8-bit activations (csrc/int8_dot.h): llama.cpp's integer dot products, equal to the reference's within
+    # reference.int8_dot_bound, and the same bits on every CPU (AVX-512 VNNI, AVX-VNNI, AVX2, scalar)
+
+    @property
+    def int8_dot_kind(self) -> str:
+        """The integer dot product this build runs, by the instruction sets it was built for (``-march=native``):
+        "avx512-vnni", "avx-vnni" (``dpbusd``), "avx2-maddubs" (``maddubs`` + ``madd``) or "scalar"."""
+        return self.lib.mv_int8_dot_kind().decode()
+
+    def _int8_args(self, x, qweight, bias, per_block: int):
+        xp = _tensor(x, "x", dims=2)
+        wp = _tensor(qweight, "qweight", torch.uint8, 2)
+        _shape(x.shape[1] % QBLOCK == 0 and qweight.shape[1] == x.shape[1] // QBLOCK * per_block,
+               f"qweight {tuple(qweight.shape)} does not hold x's {x.shape[1]} input features in blocks of {QBLOCK}")
+        return (wp, *_few_rows(x, qweight.shape[0], bias, x.shape[1]))
+
+    @_named
+    def quantize_q8_1(self, x) -> torch.Tensor:
+        xp = _tensor(x, "x", dims=2)
+        _shape(x.shape[1] % QBLOCK == 0, f"x {tuple(x.shape)}: rows must be whole blocks of {QBLOCK}")
+        out = torch.empty(x.shape[0], x.shape[1] // QBLOCK * Q8_1_BYTES, dtype=torch.uint8)
+        self._check(self.lib.mv_quantize_q8_1(out.data_ptr(), xp, x.shape[0], x.shape[1]))
+        return out
+
+    @_named
+    def q4_1_q8_1_linear(self, x, qweight, bias=None) -> torch.Tensor:
+        wp, xp, bp, out = self._int8_args(x, qweight, bias, Q4_1_BYTES)
+        self._check(self.lib.mv_q4_1_q8_1_linear(out.data_ptr(), xp, wp, bp, x.shape[0], qweight.shape[0],
+                                                 x.shape[1], torch.get_num_threads()))
+        return out
+
+    @_named
+    def q8_0_q8_0_linear(self, x, qweight, bias=None) -> torch.Tensor:
+        wp, xp, bp, out = self._int8_args(x, qweight, bias, Q8_0_BYTES)
+        self._check(self.lib.mv_q8_0_q8_0_linear(out.data_ptr(), xp, wp, bp, x.shape[0], qweight.shape[0],
+                                                 x.shape[1], torch.get_num_threads()))
         return out

@@ -70,7 +70,8 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS  # set by pack_weights (the rule) or set_plain_rows
     qweight: torch.Tensor | None = None  # the GGUF's blocks, uint8 [out_features, blocks * bytes]
-    quantized_linear = None  # the op that reads them: q4_1_linear or q8_0_linear of the model's kernel table
+    quantized_linear = None  # the op that reads them: q4_1_linear or q8_0_linear of the model's kernel table (float32
+    # activations), q4_1_q8_1_linear or q8_0_q8_0_linear (8-bit activations, llama.cpp's integer dot products)
 
     def matmul(self, x):
         """``x @ weight.T`` through the kernel :func:`multiply` picks for ``x``'s rows; no bias."""
@@ -128,10 +129,15 @@ class WeightLayouts:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
     @torch.no_grad()
-    def use_gguf_weights(self, blocks: dict[str, tuple[str, torch.Tensor]]) -> None:
+    def use_gguf_weights(self, blocks: dict[str, tuple[str, torch.Tensor]], activations: str = "int8") -> None:
         """Give each linear the GGUF's blocks of its weight (chapter 18): ``{parameter name: ("q4_1" or "q8_0",
         uint8 [out_features, bytes])}``. Up to :data:`QUANTIZED_MAX_ROWS` rows then multiply through them;
-        ``weight`` stays the float32 weights they dequantise to, for prefill's GEMM."""
+        ``weight`` stays the float32 weights they dequantise to, for prefill's GEMM. ``activations``: "int8"
+        rounds those rows to 8-bit blocks and multiplies integers, as llama.cpp (``q4_1_q8_1_linear``,
+        ``q8_0_q8_0_linear``); "float32" multiplies them as they are (``q4_1_linear``, ``q8_0_linear``: exact to
+        the float32 weights)."""
+        ops = {"int8": {"q4_1": "q4_1_q8_1_linear", "q8_0": "q8_0_q8_0_linear"},
+               "float32": {"q4_1": "q4_1_linear", "q8_0": "q8_0_linear"}}[activations]
         names = {m: name for name, m in self.named_modules()}
         for m in self.linears():
             name = names[m] + ".weight"
@@ -139,11 +145,11 @@ class WeightLayouts:
                 name = "model.embed_tokens.weight"
             if name in blocks:
                 kind, qweight = blocks[name]
-                m.qweight, m.quantized_linear = qweight, getattr(self.ops, f"{kind}_linear")
+                m.qweight, m.quantized_linear = qweight, getattr(self.ops, ops[kind])
         for m in self.packed_matmuls():
             if isinstance(m, FusedMatmul):
                 m.stack_quantized()
-        self.quantization = "gguf"
+        self.quantization, self.gguf_activations = "gguf", activations
 
     @torch.no_grad()
     def pack_weights(self, enabled: bool = True) -> bool:

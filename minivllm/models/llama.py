@@ -181,6 +181,7 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
     kernels = "reference"  # the kernel table the model runs (use_kernels): "reference", "cpu" or "triton"
     ops = reference
     quantization: str | None = None  # "gguf" once use_gguf_weights gave the linears the file's blocks
+    gguf_activations: str | None = None  # then what they multiply: "int8" (llama.cpp's arithmetic) or "float32"
 
     def __init__(self, config):
         super().__init__()
@@ -190,6 +191,16 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def gguf_dot(self) -> str | None:
+        """How decode rows meet the GGUF's blocks (chapter 18): None without them, "float32" (the rows as they are),
+        or "q8_1 " and the integer dot product of the kernel table: "avx512-vnni", "avx-vnni", "avx2-maddubs" or
+        "scalar" (the C++ table, by the instruction sets it was built for), "torch" (the reference)."""
+        if self.quantization is None:
+            return None
+        return "float32" if self.gguf_activations == "float32" else f"q8_1 {getattr(self.ops, 'int8_dot_kind', '?')}"
+
     def use_kernels(self, name: str, ops) -> None:
         """Run the norms, the rotary embedding, the activation and the quantized matmuls through ``ops``, the
         kernel table called ``name`` (:func:`minivllm.kernels.choose`; chapter 18)."""

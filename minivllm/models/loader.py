@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
-from minivllm.config import QUANTIZATIONS, cache_dir, default_device
+from minivllm.config import GGUF_ACTIVATIONS, QUANTIZATIONS, cache_dir, default_device
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.parallel import ParallelLlamaForCausalLM, TensorParallelGroup, shard_slice
 
@@ -164,12 +164,13 @@ def load_tokenizer(name: str = SMOLLM2):
 
 
 _checkpoints: dict[tuple, tuple] = {}  # (name, device, dtype) -> (config, weights, tokenizer), read once
-_models: dict[tuple, tuple] = {}  # (name, device, dtype, pack_weights, kernels, quantization) -> (model, tokenizer);
+_models: dict[tuple, tuple] = {}  # (name, device, dtype, pack_weights, kernels, quantization, gguf_activations)
+# -> (model, tokenizer);
 # kernels: the table's name, or the table itself when one was given (exercise 18's, kept for the latest table only)
 
 
 def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weights: bool = True,
-               kernels="auto", quantization: str | None = None):
+               kernels="auto", quantization: str | None = None, gguf_activations: str = "int8"):
     """Load ``(model, tokenizer)``: minivllm's own forward with the checkpoint's weights.
 
     ``pack_weights`` prepacks the linear weights for oneDNN where that works,
@@ -180,9 +181,11 @@ def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weigh
     ``"triton"``, or a kernel table itself; chapter 18). ``quantization="gguf"`` (vLLM's name; the
     embedded SmolLM2 only) also keeps the GGUF file's blocks, Q4_1 for the
     layers and Q8_0 for the tied embedding, and multiplies decode rows through
-    them as stored (:meth:`~minivllm.models.llama.LlamaForCausalLM.use_gguf_weights`).
+    them as stored (:meth:`~minivllm.models.llama.LlamaForCausalLM.use_gguf_weights`),
+    ``gguf_activations`` as what (:class:`~minivllm.config.EngineConfig`: 8-bit
+    rows in integer dot products as llama.cpp, or float32 ones, exact).
     Models are kept per (name, device, dtype, pack_weights, kernels,
-    quantization), and the models of one checkpoint share its weight tensors,
+    quantization, gguf_activations), and the models of one checkpoint share its weight tensors,
     so a notebook that builds several engines reads the weights once.
     Inference never changes them. A table given itself keys its own models
     (:func:`_table_key`), so two tables never share one.
@@ -191,12 +194,15 @@ def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weigh
 
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if gguf_activations not in GGUF_ACTIVATIONS:
+        raise ValueError(f"gguf_activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
     key = (name, str(torch.device(device or default_device())), dtype)
     if quantization == "gguf" and (name != SMOLLM2 or key[1] != "cpu" or dtype != torch.float32):
         raise ValueError(f"quantization='gguf' reads the embedded GGUF file in float32 on the CPU: model "
                          f"{SMOLLM2!r}, device 'cpu', dtype float32, got {name!r}, {key[1]!r}, {dtype}")
     kind, ops = choose(kernels, key[1], dtype)
-    full = key + (pack_weights, _table_key(kernels, kind, ops), quantization)
+    full = key + (pack_weights, _table_key(kernels, kind, ops), quantization,
+                  gguf_activations if quantization else None)
     if full not in _models:
         if key not in _checkpoints:
             _checkpoints[key] = _read_checkpoint(name, key[1], dtype)
@@ -204,7 +210,7 @@ def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weigh
         model = _build(config, weights, pack_weights)
         model.use_kernels(kind, ops)
         if quantization == "gguf":
-            model.use_gguf_weights(gguf_blocks(config, key[1]))
+            model.use_gguf_weights(gguf_blocks(config, key[1]), gguf_activations)
         _models[full] = (model, tokenizer)
     return _models[full]
 

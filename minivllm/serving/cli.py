@@ -26,7 +26,8 @@ from typing import NoReturn
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from minivllm.config import DTYPE_CHOICES, KERNEL_TABLES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from minivllm.config import (DTYPE_CHOICES, GGUF_ACTIVATIONS, KERNEL_TABLES, PREEMPTION_MODES, SCHEDULING_POLICIES,
+                             EngineConfig)
 from minivllm.engine import LLMEngine, make_engine
 from minivllm.models import load_config
 from minivllm.sampling_params import SamplingParams
@@ -66,6 +67,8 @@ FIELD_HELP = {
                "on CUDA, where they build; else PyTorch's reference)",
     "quantization": "gguf: decode rows read the embedded GGUF's Q4_1/Q8_0 blocks as stored (smollm2-135m, float32 "
                     "on the CPU)",
+    "gguf_activations": "with --quantization gguf: int8 rounds decode rows to 8-bit blocks and multiplies integers, "
+                        "as llama.cpp (no longer HF-exact); float32 keeps them (exact to the float32 weights)",
     "scheduler_cls": "scheduler class, as a dotted name",
     "block_manager_cls": "block manager class, as a dotted name",
     "attention_backend": "paged KV cache class, as a dotted name",
@@ -81,7 +84,7 @@ FIELD_HELP = {
                           '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (default: None, off)',
 }
 CHOICES = {"preemption_mode": PREEMPTION_MODES, "scheduling_policy": SCHEDULING_POLICIES, "dtype": DTYPE_CHOICES,
-           "kernels": KERNEL_TABLES, "quantization": ("gguf",)}
+           "kernels": KERNEL_TABLES, "quantization": ("gguf",), "gguf_activations": GGUF_ACTIVATIONS}
 
 
 def json_object(text: str) -> dict:

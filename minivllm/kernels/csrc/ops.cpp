@@ -13,6 +13,7 @@
 
 #include "inner.h"
 #include MINIVLLM_INNER  // the inner loops: inner.cpp, or a reader's (exercise 18)
+#include "int8_dot.h"      // the GGUF's blocks times 8-bit activations (llama.cpp's integer dot products)
 
 using namespace minivllm;
 
@@ -299,6 +300,74 @@ int mv_q8_0_embedding(float* out, const int64_t* ids, const uint8_t* table, int6
       for (int j = 0; j < kBlockQ; ++j) out[t * K + kb * kBlockQ + j] = static_cast<int8_t>(block[2 + j]) * d;
     }
   }
+  return 0;
+}
+
+}  // extern "C"
+
+// The GGUF's blocks times 8-bit activations (int8_dot.h): each row of x rounded once to Q8_1 blocks, then integer
+// dot products with every weight block, the block scales applied once a block.
+namespace {
+
+int check_int8(int64_t R, int64_t K) {
+  if (R < 0) return fail("x has %lld rows", R);
+  if (K < 0 || K % kBlockQ != 0) return fail("in_features %lld: 8-bit rows are whole blocks of %lld", K, kBlockQ);
+  return 0;
+}
+
+// x [R, K] rounded to Q8_1 and unpacked for the dot products: quants, and each block's d and s as floats.
+struct Int8Buffer {
+  std::vector<uint8_t> blocks;
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  Int8Rows rows;
+  Int8Buffer(const float* x, int64_t R, int64_t K)
+      : blocks(R * (K / kBlockQ) * kQ8_1Bytes), q(R * K), d(R * (K / kBlockQ)), s(R * (K / kBlockQ)) {
+    const int64_t nb = K / kBlockQ;
+    for (int64_t r = 0; r < R; ++r) {
+      quantize_row_q8_1(x + r * K, K, blocks.data() + r * nb * kQ8_1Bytes);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* block = blocks.data() + (r * nb + b) * kQ8_1Bytes;
+        d[r * nb + b] = half_to_float(read_u16(block));
+        s[r * nb + b] = half_to_float(read_u16(block + 2));
+        std::memcpy(q.data() + r * K + b * kBlockQ, block + 4, kBlockQ);
+      }
+    }
+    rows = Int8Rows{q.data(), d.data(), s.data(), K, nb};
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Which integer dot product this build runs: "avx512-vnni", "avx-vnni", "avx2-maddubs" or "scalar".
+const char* mv_int8_dot_kind() { return int8_dot_kind(); }
+
+// out [R, K / 32 * 36] = x [R, K] as llama.cpp's Q8_1 blocks (fp16 d, fp16 s, 32 int8).
+int mv_quantize_q8_1(uint8_t* out, const float* x, int64_t R, int64_t K) {
+  if (check_int8(R, K)) return 1;
+  for (int64_t r = 0; r < R; ++r) quantize_row_q8_1(x + r * K, K, out + r * (K / kBlockQ) * kQ8_1Bytes);
+  return 0;
+}
+
+// out [R, N] = Q8_1(x [R, K]) @ W^T (+ bias), W in Q4_1 blocks [N, K / 32 blocks of 20 bytes]: llama.cpp's
+// ggml_vec_dot_q4_1_q8_1 for every output.
+int mv_q4_1_q8_1_linear(float* out, const float* x, const uint8_t* weight, const float* bias, int64_t R, int64_t N,
+                        int64_t K, int nthreads) {
+  if (check_rows(R) || check_int8(R, K)) return 1;
+  Int8Buffer xq(x, R, K);
+  int8_matvec_rows<true>(out, weight, bias, R, N, xq.rows, threads(nthreads));
+  return 0;
+}
+
+// out [R, N] = Q8_0(x [R, K]) @ W^T (+ bias), W in Q8_0 blocks [N, K / 32 blocks of 34 bytes]: llama.cpp's
+// ggml_vec_dot_q8_0_q8_0 (the row's Q8_0 blocks are its Q8_1 blocks without s).
+int mv_q8_0_q8_0_linear(float* out, const float* x, const uint8_t* weight, const float* bias, int64_t R, int64_t N,
+                        int64_t K, int nthreads) {
+  if (check_rows(R) || check_int8(R, K)) return 1;
+  Int8Buffer xq(x, R, K);
+  int8_matvec_rows<false>(out, weight, bias, R, N, xq.rows, threads(nthreads));
   return 0;
 }
 
