@@ -845,3 +845,15 @@ def test_the_vnni_paths_compile_for_the_cpus_that_have_them(march, kind):
         pytest.skip("needs a C++ compiler on x86-64")
     library = build.build(quiet=True, isa=(f"-march={march}",))
     assert kind + b"\0" in library.read_bytes()
+
+
+def test_the_triton_table_names_every_op_of_a_kernel_table():
+    """triton_ops (read as source: importing it needs triton, which the CPU has not) defines or takes from the
+    reference every op of KERNEL_OPS: a missing one would fail its first-use check on every GPU, and the
+    reference would run instead."""
+    import ast
+
+    tree = ast.parse((Path(kernels.__file__).parent / "triton_ops.py").read_text())
+    names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    names |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    assert [op for op in KERNEL_OPS if op not in names] == []

@@ -63,6 +63,9 @@ def cases(device, dtype: torch.dtype) -> dict[str, dict]:
         "q4_1_linear": dict(x=r(2, 2 * QBLOCK, dt=f32), qweight=q4_1, bias=r(8, dt=f32)),
         "q8_0_linear": dict(x=r(2, 2 * QBLOCK, dt=f32), qweight=q8_0),
         "q8_0_embedding": dict(ids=ints([0, 7, 3], torch.int64), table=q8_0, width=2 * QBLOCK),
+        "quantize_q8_1": dict(x=r(2, 2 * QBLOCK, dt=f32)),
+        "q4_1_q8_1_linear": dict(x=r(2, 2 * QBLOCK, dt=f32), qweight=q4_1, bias=r(8, dt=f32)),
+        "q8_0_q8_0_linear": dict(x=r(2, 2 * QBLOCK, dt=f32), qweight=q8_0),
     }
 
 
