@@ -131,9 +131,11 @@ class StructuredOutputsParams:
             if len(value) > MAX_CONSTRAINT_CHARS:  # before parsing it
                 raise ValueError(f"structured_outputs.json must be at most {MAX_CONSTRAINT_CHARS} characters, "
                                  f"got {len(value)}")
+            if text_depth(value) > MAX_SCHEMA_DEPTH:  # before parsing: json.loads recurses as deep as the text
+                raise ValueError(DEPTH_MESSAGE)
             try:
                 value = json.loads(value)
-            except RecursionError:  # the parser's own limit (about 1,000 levels): past ours in any case
+            except RecursionError:  # the parser's own limit (sys.getrecursionlimit): past ours in any case
                 raise ValueError(DEPTH_MESSAGE) from None
             except ValueError as e:
                 raise ValueError(f"structured_outputs.json must be a JSON schema, but it is not JSON: {e}") from None
@@ -182,6 +184,23 @@ def nesting_depth(value, limit: int) -> int:
             if deepest > limit:
                 return deepest
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def text_depth(text: str) -> int:
+    """How deep JSON text nests its objects and arrays (brackets inside strings not counted), without parsing it."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
     return deepest
 
 

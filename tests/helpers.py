@@ -83,3 +83,18 @@ def write_parts(notebooks: Path, folder: Path) -> None:
             if cell["cell_type"] == "code" and source.startswith("%%writefile your_engine/"):
                 first, body = source.split("\n", 1)
                 (folder / first.split(" ", 1)[1]).write_text(body + "\n")
+
+
+def dead_end_after(monkeypatch, tokens: int) -> None:
+    """Every grammar reaches a state with no way on after ``tokens`` accepted tokens: its mask admits nothing
+    (a constraint that admits no continuation, chapter 19)."""
+    from minivllm.structured_output import Grammar
+
+    real = Grammar.fill_bitmask
+
+    def dead_end(self, bitmask, row):
+        real(self, bitmask, row)
+        if self.num_accepted >= tokens:
+            bitmask[row] = 0
+
+    monkeypatch.setattr(Grammar, "fill_bitmask", dead_end)

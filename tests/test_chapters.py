@@ -164,7 +164,7 @@ def test_a_how_vllm_does_it_box_wherever_minivllm_parts_ways(path):
 VLLM_PATHS = ROOT / "tests" / "vllm_paths.txt"
 VLLM_PATH = re.compile(r"(?<![\w/.-])((?:vllm|csrc|examples|docs)/[A-Za-z0-9_./-]*[A-Za-z0-9_/])")
 VLLM_LINK = re.compile(r"github\.com/vllm-project/vllm/(?:blob|tree)/([^/]+)/([^}\s]+)")
-NOT_VLLM = {"csrc/ops.cpp"}  # minivllm's own C++ (minivllm/kernels/csrc), named without its folder
+NOT_VLLM = {f"csrc/{p.name}" for p in (ROOT / "minivllm" / "kernels" / "csrc").iterdir()}  # minivllm's own C++
 
 
 def _cited_vllm_paths() -> dict[str, str]:

@@ -725,7 +725,7 @@ def random_blocks(kind: str, n: int, blocks: int, g, scale: float = 0.01) -> tor
 def int8_cases(draw):
     """Rows 1-8, 0-48 blocks of 32 inputs, 1-40 outputs; activations of any scale (whole blocks of zeros, and blocks
     small enough that d is an fp16 subnormal), with and without a bias."""
-    rows, blocks, n = draw(st.integers(1, 8)), draw(st.integers(0, 48)), draw(st.integers(1, 40))
+    rows, blocks, n = draw(st.integers(1, 8)), draw(st.integers(1, 48)), draw(st.integers(1, 40))
     scale = draw(st.sampled_from([0.0, 1e-4, 0.03, 1.0, 300.0]))
     return rows, blocks, n, scale, draw(st.sampled_from(["q4_1", "q8_0"])), draw(st.booleans())
 

@@ -20,7 +20,7 @@ import pytest
 from minivllm.bench import ServerProcess
 from minivllm.serving.protocol import MAX_CHAT_MESSAGES
 
-from helpers import stop_completed_by_last_token
+from helpers import dead_end_after, stop_completed_by_last_token
 from serving_helpers import sse_events
 
 LIMIT = 2_000_000
@@ -349,18 +349,10 @@ def test_a_compile_past_its_time_limit_is_a_400_naming_the_limit(app, slow_compi
 
 
 def test_a_mask_with_no_token_mid_output_is_a_400_saying_so_never_a_500(app, monkeypatch):
-    from minivllm.structured_output import Grammar
-    real = Grammar.fill_bitmask
-
-    def dead_after_two(self, bitmask, row):  # the grammar reaches a state with no way on after two tokens
-        real(self, bitmask, row)
-        if self.num_accepted >= 2:
-            bitmask[row] = 0
-
-    monkeypatch.setattr(Grammar, "fill_bitmask", dead_after_two)
-    for temperature in (0, 1):
+    dead_end_after(monkeypatch, 2)  # the grammar reaches a state with no way on after two tokens
+    for temperature in (0, 1):  # two tokens cannot end the regex first (no token holds 20 letters)
         r = app.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 8, "temperature": temperature,
-                                              "structured_outputs": {"regex": "[a-z]{5,8}"}})
+                                              "seed": 3, "structured_outputs": {"regex": "[a-z]{40,50}"}})
         assert r.status_code == 400, r.text
         assert "structured_outputs admits no continuation" in r.json()["error"]["message"], r.text
 

@@ -34,7 +34,7 @@ def fake_installed(tmp_path, monkeypatch):
     for peer in peers.PEERS.values():
         (tmp_path / peer.venv / "bin").mkdir(parents=True)
         (tmp_path / peer.venv / "bin" / "python").touch()
-        (tmp_path / f"{peer.venv}.installed").touch()
+        (tmp_path / f"{peer.venv}.installed").write_text(json.dumps({"cpu_flags": sorted(peers.cpu_flags())}))
     monkeypatch.setattr(peers, "export_hf_folder", lambda: tmp_path / "hf")
     monkeypatch.setattr(peers, "export_f32_gguf", lambda: tmp_path / "f32.gguf")
     return tmp_path

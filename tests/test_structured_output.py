@@ -19,7 +19,7 @@ from minivllm.sampler import apply_token_bitmask, mask_logits
 from minivllm.sequence import Sequence
 from minivllm.structured_output import INSTALL, MAX_CHOICES, bitmask_words
 
-from helpers import run_engine
+from helpers import dead_end_after, run_engine
 
 xgr = pytest.importorskip("xgrammar")  # the README's commands install it; without it only the refusal is tested
 
@@ -337,9 +337,15 @@ def test_deep_schemas_are_a_value_error_naming_the_limit_never_a_recursion_error
     from minivllm.structured_output import MAX_SCHEMA_DEPTH
     StructuredOutputsParams(json=nested(MAX_SCHEMA_DEPTH - 1))
     as_text = '{"type": "array", "items": ' * 1100 + '{"type": "integer"}' + "}" * 1100  # json.loads: RecursionError
-    for schema in (nested(MAX_SCHEMA_DEPTH), nested(480), as_text, "[" * 1100 + "]" * 1100):
-        with pytest.raises(ValueError, match=rf"structured_outputs.json must nest .* at most {MAX_SCHEMA_DEPTH}"):
-            StructuredOutputsParams(json=schema)
+    limit = sys.getrecursionlimit()
+    try:
+        for recursion_limit in (limit, 10_000):  # a library may raise it: json.loads then parses 1,100 levels
+            sys.setrecursionlimit(recursion_limit)
+            for schema in (nested(MAX_SCHEMA_DEPTH), nested(480), as_text, "[" * 1100 + "]" * 1100):
+                with pytest.raises(ValueError, match=rf"json must nest .* at most {MAX_SCHEMA_DEPTH}"):
+                    StructuredOutputsParams(json=schema)
+    finally:
+        sys.setrecursionlimit(limit)
 
 
 def test_json_object_takes_only_a_real_bool():
@@ -359,17 +365,9 @@ def test_a_constraint_no_output_satisfies_ends_its_request_with_that_error(tiny_
 
 
 def test_a_mask_that_admits_no_token_mid_output_ends_the_request_saying_so(tiny_llm, monkeypatch):
-    from minivllm.structured_output import Grammar
-    real = Grammar.fill_bitmask
-
-    def dead_after_two(self, bitmask, row):  # the grammar reaches a state with no way on after two tokens
-        real(self, bitmask, row)
-        if self.num_accepted >= 2:
-            bitmask[row] = 0
-
-    monkeypatch.setattr(Grammar, "fill_bitmask", dead_after_two)
+    dead_end_after(monkeypatch, 2)  # the grammar reaches a state with no way on after two tokens
     for sampling in (dict(temperature=0.0), dict(temperature=1.0, seed=3)):
-        p = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{5,8}"), **sampling)
+        p = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{40,50}"), **sampling)
         bad, plain = tiny_llm.generate(["Hi", "Hi"], [p, SamplingParams(max_tokens=8, **sampling)], use_tqdm=False)
         assert bad.outputs[0].finish_reason == "error", bad
         assert bad.error.startswith("structured_outputs admits no continuation"), bad.error

@@ -88,6 +88,7 @@ class DisaggregatedEngine(LLMEngine):
         self.lock = threading.RLock()
         self.tokenizer = load_tokenizer(config.model)
         self.requests: dict[str, FrontRequest] = {}
+        self.compiling: dict = {}  # grammars LLMEngine.step waits for: none (the front refuses constraints)
         self._held, self._ready = [], []
         self.num_steps = self.num_failed_requests = 0
         self.restarts, self.epoch = Counter(), secrets.randbelow(EPOCH_STEP)  # see _next_epoch

@@ -192,14 +192,8 @@ def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weigh
     """
     from minivllm.kernels import choose
 
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
-    if gguf_activations not in GGUF_ACTIVATIONS:
-        raise ValueError(f"gguf_activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
     key = (name, str(torch.device(device or default_device())), dtype)
-    if quantization == "gguf" and (name != SMOLLM2 or key[1] != "cpu" or dtype != torch.float32):
-        raise ValueError(f"quantization='gguf' reads the embedded GGUF file in float32 on the CPU: model "
-                         f"{SMOLLM2!r}, device 'cpu', dtype float32, got {name!r}, {key[1]!r}, {dtype}")
+    _check_quantization(key, quantization, gguf_activations)
     kind, ops = choose(kernels, key[1], dtype)
     full = key + (pack_weights, _table_key(kernels, kind, ops), quantization,
                   gguf_activations if quantization else None)
@@ -213,6 +207,18 @@ def load_model(name: str = SMOLLM2, device=None, dtype=torch.float32, pack_weigh
             model.use_gguf_weights(gguf_blocks(config, key[1]), gguf_activations)
         _models[full] = (model, tokenizer)
     return _models[full]
+
+
+def _check_quantization(key: tuple, quantization, gguf_activations) -> None:
+    """A ValueError naming the field unless ``quantization`` and ``gguf_activations`` fit the model ``key``."""
+    name, device, dtype = key
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if gguf_activations not in GGUF_ACTIVATIONS:
+        raise ValueError(f"gguf_activations must be one of {GGUF_ACTIVATIONS}, got {gguf_activations!r}")
+    if quantization == "gguf" and (name != SMOLLM2 or device != "cpu" or dtype != torch.float32):
+        raise ValueError(f"quantization='gguf' reads the embedded GGUF file in float32 on the CPU: model "
+                         f"{SMOLLM2!r}, device 'cpu', dtype float32, got {name!r}, {device!r}, {dtype}")
 
 
 def _table_key(kernels, kind: str, ops):
