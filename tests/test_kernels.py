@@ -575,7 +575,7 @@ BROKEN = {
 def test_the_first_use_check_covers_every_op_and_passes_the_reference_and_the_cpu_kernels():
     from minivllm.kernels import selfcheck
 
-    assert sorted(selfcheck.cases("cpu", torch.float32)) == sorted(KERNEL_OPS)
+    assert sorted({case.split(" (")[0] for case in selfcheck.cases("cpu", torch.float32)}) == sorted(KERNEL_OPS)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert selfcheck.failing_ops(reference, reference, "cpu", dtype) == {}
     if cpu is not None:  # another implementation of every op, in float32
