@@ -1,7 +1,7 @@
 """The Triton table's tiled attention program (chapter 18d) against the reference, under Triton's interpreter.
 
 Where triton is installed the script runs in a subprocess with ``TRITON_INTERPRET=1`` (the variable is read when
-the kernels are defined, so it must be set before ``triton_ops`` is imported); tiny shapes, a few seconds. The
+the kernels are defined, so it must be set before ``triton_ops`` is imported), on tiny shapes. The
 interpreter multiplies bfloat16 ``tl.dot`` operands as their raw 16-bit patterns (triton 3.9's
 ``InterpreterBuilder.create_dot``), so bfloat16 is checked on a GPU only (the first-use check); float32 and
 float16 are checked here.
@@ -70,8 +70,9 @@ for seed, (seqs, block_size, (h, kvh, d)) in enumerate(CASES):
         got = triton_ops.attention_tiles(**args)
         assert (got.float() - want.float()).abs().max() < atol, (seed, dtype, (got.float() - want.float()).abs().max())
         assert dots[0] == 2 * key_tiles(seqs, h, kvh), (seed, dots[0], 2 * key_tiles(seqs, h, kvh))
-        got = triton_ops.attention_per_query(**args)
-        assert (got.float() - want.float()).abs().max() < atol, (seed, dtype, "per query")
+        if dtype == torch.float32:  # the other program on the same steps (one query a program: slower here)
+            got = triton_ops.attention_per_query(**args)
+            assert (got - want).abs().max() < atol, (seed, "per query")
 
 # the rule: a step with a sequence of several query rows runs the tiles, a decode-only step one query a program
 ran = []

@@ -11,8 +11,10 @@ vLLM's ``kernel_unified_attention``
 (``vllm/v1/attention/ops/triton_unified_attention.py`` at v0.30.0) does. A
 decode-only step (one row a sequence: what the CUDA graphs capture) keeps
 :func:`_paged_attention`, one query token and one query head a program: a
-decode tile would fill only the group's rows of a dot's 16 (3 for SmolLM2)
-and give the GPU a third of the programs. Each walks its sequence's block
+decode tile fills only the group's rows of its 16 (3 for SmolLM2), and the
+step gets 1/group of the programs, though each key is loaded once for the
+group rather than once a head (vLLM runs its tiles for decode too; which is
+faster there is a GPU's measurement, not this rule's claim). Each walks its sequence's block
 table a tile of keys at a time with an online softmax (the running maximum,
 the sum, the weighted values, rescaled when the maximum grows). Under
 ``TRITON_INTERPRET=1`` the kernels run on the CPU (slowly: the tests use tiny
@@ -203,6 +205,8 @@ def _check_attention(q, k_cache, block_table, seq_lens, query_start, block_size:
 
 
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start, block_size: int) -> torch.Tensor:
+    """The reference's ``paged_attention``: the arguments checked, then the tiles or one query a program (the rule
+    in the module's docstring)."""
     if not _capturing():
         _check_attention(q, k_cache, block_table, seq_lens, query_start, block_size)
     if q.shape[0] > len(seq_lens):  # some sequence has several query rows: tiles of queries (the module's rule)
@@ -240,7 +244,7 @@ def attention_tiles(q, k_cache, v_cache, block_table, seq_lens, query_start, blo
     rows, block_q = tile_shape(H, kvh)
     out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
     if T:
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"  # float32 stays float32 (no TF32 rounding)
+        precision = "ieee" if q.dtype == torch.float32 else None  # float32 stays float32 (no TF32); else the default
         _attention_tiles[(T // block_q + len(seq_lens), kvh)](
             out, q, k_cache, v_cache, block_table, seq_lens, query_start, len(seq_lens), q.stride(0),
             block_table.shape[1], 1.0 / math.sqrt(D), H, kvh, D, max(D, 16), block_size, rows, block_q, TILE,
