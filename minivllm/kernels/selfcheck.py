@@ -3,7 +3,8 @@
 The Triton table has run under Triton's interpreter, never on every GPU a
 reader may have (Colab's torch brings triton, so ``kernels="auto"`` picks it
 on any Colab GPU). Before :func:`minivllm.kernels.choose` hands it out it runs
-:func:`failing_ops`: each op once on a small case, on the device and in the
+:func:`failing_ops`: each op once on a small case (``paged_attention`` twice,
+one case on each side of the Triton table's rule), on the device and in the
 dtype the model will run, against :mod:`~minivllm.kernels.reference`; a
 table with a failing op is not used (:func:`checked`: the reference runs, and
 one warning names the op and what went wrong). A kernel that corrupts the

@@ -11,12 +11,13 @@ vLLM's ``kernel_unified_attention``
 (``vllm/v1/attention/ops/triton_unified_attention.py`` at v0.30.0) does. A
 decode-only step (one row a sequence: what the CUDA graphs capture) keeps
 :func:`_paged_attention`, one query token and one query head a program: a
-decode tile fills only the group's rows of its 16 (3 for SmolLM2), and the
-step gets 1/group of the programs, though each key is loaded once for the
-group rather than once a head (vLLM runs its tiles for decode too; which is
-faster there is a GPU's measurement, not this rule's claim). Each walks its sequence's block
-table a tile of keys at a time with an online softmax (the running maximum,
-the sum, the weighted values, rescaled when the maximum grows). Under
+decode tile fills only the group's rows of its 16 (3 for SmolLM2) and the
+step gets 1/group of the programs, though it loads each key once for the
+group rather than once a head (vLLM runs its tiles for decode too: which is
+faster there is for a GPU to measure, not for this rule to claim). Each
+walks its sequence's block table a tile of keys at a time with an online
+softmax (the running maximum, the sum, the weighted values, rescaled when
+the maximum grows). Under
 ``TRITON_INTERPRET=1`` the kernels run on the CPU (slowly: the tests use tiny
 shapes). Arguments are checked in Python with tensor ops before launch,
 except while a CUDA graph is being captured (the engine's own decode tables,
@@ -36,7 +37,7 @@ from minivllm.kernels.reference import (  # noqa: F401  (the table's other ops: 
     q8_0_linear, q8_0_q8_0_linear, quantize_q8_1, rms_norm, rotary, silu_and_mul)
 
 TILE = 16  # keys per step of a program's loop
-BLOCK_M = 16  # query rows of a tile (vLLM's: its tl.dot's rows), tokens times the query heads of one KV head
+BLOCK_M = 16  # query rows of a tile (vLLM's 16): tokens times the query heads of one KV head
 
 
 def _capturing() -> bool:
@@ -237,8 +238,8 @@ def tile_shape(heads: int, kv_heads: int) -> tuple[int, int]:
 
 def attention_tiles(q, k_cache, v_cache, block_table, seq_lens, query_start, block_size: int) -> torch.Tensor:
     """:func:`_attention_tiles` over checked arguments (chapter 18d). Its grid is ``T // BLOCK_Q + B`` tiles by the
-    KV heads: at least one tile per ``BLOCK_Q`` queries of each sequence, an upper bound read from the shapes
-    alone (vLLM's), so nothing is read back from the device; the tiles past a sequence's queries return at once."""
+    KV heads, no fewer than the ``ceil(queries / BLOCK_Q)`` tiles each sequence needs: a bound from the shapes alone
+    (vLLM's), so nothing is read back from the device; the tiles past a sequence's queries return at once."""
     T, H, D = q.shape
     kvh = k_cache.shape[1]
     rows, block_q = tile_shape(H, kvh)
