@@ -7,6 +7,8 @@ import contextlib
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minivllm import kernels
 from minivllm.kernels import build, reference
@@ -155,3 +157,38 @@ def test_a_build_of_a_readers_loops_attends_unsplit(tmp_path):
     with threads(2):
         assert torch.equal(yours.paged_attention_chunked(q, kc, vc, table, seq_lens, starts, 16, 16),
                            cpu.paged_attention_chunked(q, kc, vc, table, seq_lens, starts, 16, 600))
+
+
+@st.composite
+def decode_steps(draw):
+    """1 to 4 decode rows (and rows without queries) of 1 to 700 keys, a block size, a head layout, threads."""
+    block_size = draw(st.sampled_from([1, 5, 16, 64]))
+    lens = [(draw(st.sampled_from([1, 1, 0])), draw(st.integers(1, 700))) for _ in range(draw(st.integers(1, 4)))]
+    heads = draw(st.sampled_from([(9, 3, 64), (4, 2, 16), (6, 1, 32), (2, 2, 40), (8, 4, 8)]))
+    return lens, block_size, heads, draw(st.sampled_from([2, 3, 5, 8])), draw(st.sampled_from([0, 16, 37, 130]))
+
+
+@needs_cpu
+@settings(deadline=None, max_examples=40)
+@given(decode_steps(), st.integers(0, 2**16))
+def test_random_decode_steps_split_any_way_equal_the_reference(step, seed):
+    lens, block_size, (h, kvh, d), t, keys = step
+    q, kc, vc, table, seq_lens, starts = ragged_batch(lens, h, kvh, d, block_size, seed)
+    want = reference.paged_attention(q, kc, vc, table, seq_lens, starts, block_size)
+    with threads(t):
+        got = cpu.paged_attention_chunked(q, kc, vc, table, seq_lens, starts, block_size, keys)
+    torch.testing.assert_close(got, want, rtol=0, atol=ATTENTION_ATOL)
+
+
+def test_an_avx2_build_splits_to_the_reference_too():
+    """On an AVX-512 machine the AVX2 build's split path (8 lanes, not 16) is checked as well."""
+    flags = build.cpu_key().split()
+    if build.compiler() is None or "avx2" not in flags or "avx512f" not in flags:
+        pytest.skip("needs a C++ compiler and a CPU with AVX-512 (the AVX2 build is the native one elsewhere)")
+    avx2 = CpuKernels(build.load(build.build(quiet=True, isa=("-mavx2", "-mfma", "-mf16c"))), "cpu (avx2)")
+    for lens, (h, kvh, d), block_size, t, _ in CASES:
+        q, kc, vc, table, seq_lens, starts = ragged_batch([(1, n) for n in lens], h, kvh, d, block_size, 2)
+        with threads(t):
+            got = avx2.paged_attention(q, kc, vc, table, seq_lens, starts, block_size)
+        torch.testing.assert_close(got, reference.paged_attention(q, kc, vc, table, seq_lens, starts, block_size),
+                                   rtol=0, atol=ATTENTION_ATOL)
