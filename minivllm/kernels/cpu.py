@@ -30,7 +30,7 @@ SPLIT_GRANULE = 16  # split-KV: chunk lengths are multiples of this many keys (k
 
 
 def split_kv_chunk_keys(rows: int, kv_heads: int, max_len: int, threads: int) -> int:
-    """Split-KV's rule (chapter 18; csrc/split_kv.h's ``split_kv_rule``, which it mirrors): the keys per chunk of a
+    """Split-KV's rule (chapter 18c; csrc/split_kv.h's ``split_kv_rule``, which it mirrors): the keys per chunk of a
     decode step of ``rows`` rows (one query each), the longest ``max_len`` keys, over ``threads`` threads;
     ``max_len`` itself where the step is not split. Its work items are rows x kv_heads: split only where threads
     would wait (fewer than two items a thread, and not a multiple of the threads), into the fewest chunks that give
@@ -50,7 +50,7 @@ def split_kv_chunks(rows: int, kv_heads: int, max_len: int, threads: int) -> int
 
 
 def split_kv_plan(seq_lens: list[int], kv_heads: int, threads: int, chunk_keys: int | None = None) -> list[tuple]:
-    """A decode step's work items as the C++ makes them (chapter 18): ``(row, kv_head, first_key, end_key,
+    """A decode step's work items as the C++ makes them (chapter 18c): ``(row, kv_head, first_key, end_key,
     thread)`` in its order (row, KV head, chunk), item ``i`` on thread ``i % threads`` (``schedule(static, 1)``).
     ``chunk_keys`` pins a chunk length (``CpuKernels.paged_attention_chunked``); None takes the rule's."""
     max_len = max(seq_lens, default=0)
@@ -208,7 +208,7 @@ class CpuKernels:
 
     def paged_attention_chunked(self, q, k_cache, v_cache, block_table, seq_lens, query_start, block_size: int,
                                 chunk_keys: int) -> torch.Tensor:
-        """:meth:`paged_attention` with split-KV's chunk length pinned (chapter 18): ``chunk_keys`` 0 is the rule's
+        """:meth:`paged_attention` with split-KV's chunk length pinned (chapter 18c): ``chunk_keys`` 0 is the rule's
         (:func:`split_kv_chunk_keys`), a positive number cuts a decode step's rows into chunks of that many keys
         (one at least as long as the longest row: unsplit). Steps with more than one query a row are not split."""
         _shape(isinstance(chunk_keys, int) and not isinstance(chunk_keys, bool) and chunk_keys >= 0,
@@ -229,9 +229,10 @@ class CpuKernels:
                f"must describe the same sequences")
         _shape(isinstance(block_size, int) and block_size >= 1, f"block_size must be a positive int, got {block_size}")
         out = torch.empty(q.shape)
-        self._check(self.lib.mv_paged_attention_chunked(out.data_ptr(), qp, qs_, kc, vc, bt, block_table.shape[1], sl, qs, B, T, H,
-                                       k_cache.shape[1], D, block_size, k_cache.shape[0] // block_size,
-                                       1.0 / math.sqrt(D), torch.get_num_threads(), chunk_keys))
+        self._check(self.lib.mv_paged_attention_chunked(out.data_ptr(), qp, qs_, kc, vc, bt, block_table.shape[1], sl,
+                                                        qs, B, T, H, k_cache.shape[1], D, block_size,
+                                                        k_cache.shape[0] // block_size, 1.0 / math.sqrt(D),
+                                                        torch.get_num_threads(), chunk_keys))
         return out
 
     @_named

@@ -1,4 +1,4 @@
-// Split-KV (flash-decoding) for a decode step's few rows over long contexts (chapter 18).
+// Split-KV (flash-decoding) for a decode step's few rows over long contexts (chapter 18c).
 //
 // A decode step gives the paged attention one query token per row, so its work items are rows x KV heads: a
 // batch-1 decode of SmolLM2 (3 KV heads) has 3, whatever the thread count. Here each (row, KV head)'s keys are cut
@@ -40,7 +40,7 @@ inline int64_t split_gcd(int64_t a, int64_t b) {
   return a;
 }
 
-// The rule (chapter 18; kernels/cpu.py's split_kv_chunk_keys mirrors it): the keys per chunk of a decode step of
+// The rule (chapter 18c; kernels/cpu.py's split_kv_chunk_keys mirrors it): the keys per chunk of a decode step of
 // `rows` rows, the longest `max_len` keys, over `threads` threads; max_len itself when the step is not split.
 // The step's items = rows x kv_heads. Split only where the threads would wait: fewer than two items a thread
 // and not a multiple of the threads. Then the fewest chunks that give every thread the same number of equal
