@@ -19,6 +19,8 @@ from minivllm.exercises.parts import CHAPTERS, PARTS, PARTS_DIR, WHAT_WIDTH, Par
 
 __all__ = ["Part", "PARTS", "CHAPTERS", "WHAT_WIDTH", "part_status", "status"]
 
+CHAPTER_WIDTH = max(len(p.chapter) for p in PARTS)  # "18c" beside "04": one column for the states
+
 
 class CtrlC(KeyboardInterrupt):
     """Ctrl-C pressed while a part loads or is checked: it stops the command, as Ctrl-C does."""
@@ -96,7 +98,7 @@ def status(parts_dir: Path = PARTS_DIR, chapters: list[str] | None = None, run_c
     for part in chosen:
         state, detail = part_status(part, parts_dir, run_checks, live)
         states.append(state)
-        out(f"{part.chapter} {part.what:{WHAT_WIDTH}} {state:12} {detail}".rstrip())
+        out(f"{part.chapter:{CHAPTER_WIDTH}} {part.what:{WHAT_WIDTH}} {state:12} {detail}".rstrip())
     written = sum(s not in ("missing", "not written") for s in states)
     passing = states.count("passes")
     checked = f", {passing} pass their checks ({'live runs included' if live else 'targeted cases'})"

@@ -158,7 +158,7 @@ def build(inner: Path = INNER, quiet: bool = False, isa: tuple[str, ...] = ("-ma
     if cxx is None:
         raise BuildError("no C++ compiler found (set $CXX, or install g++: apt-get install g++)")
     inner = Path(inner).resolve()
-    sources = [CSRC / "ops.cpp", CSRC / "inner.h", CSRC / "int8_dot.h", inner]
+    sources = [CSRC / "ops.cpp", CSRC / "inner.h", CSRC / "int8_dot.h", CSRC / "split_kv.h", inner]
     version = [compiler_version(cxx)]
     digest = hashlib.sha256()
     for part in [*(p.read_bytes() for p in sources), str(version).encode(), " ".join(FLAGS + list(isa)).encode(),
@@ -197,6 +197,8 @@ def load(path: Path) -> ctypes.CDLL:
     signatures = {
         "mv_write_kv": [P, I64, P, I64, P, P, P, I64, I64, I64],
         "mv_paged_attention": [P, P, I64, P, P, P, I64, P, P, I64, I64, I64, I64, I64, I64, I64, F, I],
+        "mv_paged_attention_chunked": [P, P, I64, P, P, P, I64, P, P, I64, I64, I64, I64, I64, I64, I64, F, I, I64],
+        "mv_split_kv_built": [],
         "mv_rms_norm": [P, P, P, I64, I64, F, I],
         "mv_fused_add_rms_norm": [P, P, P, I64, I64, F, I],
         "mv_rotary": [P, I64, P, I64, P, P, P, I64, I64, I64, I64, I64, I],
@@ -209,7 +211,7 @@ def load(path: Path) -> ctypes.CDLL:
         "mv_q4_1_q8_1_linear": [P, P, P, P, I64, I64, I64, I],
         "mv_q8_0_q8_0_linear": [P, P, P, P, I64, I64, I64, I],
     }
-    for name in [*signatures, "mv_last_error"]:
+    for name in [*signatures, "mv_last_error", "mv_split_kv_chunk_keys"]:
         if not hasattr(lib, name):
             _ctypes.dlclose(lib._handle)  # unloaded: a build put at the same path is then loaded afresh, not this
             raise BuildError(f"{path} has no function {name}: not a build of minivllm's kernels")
@@ -218,4 +220,5 @@ def load(path: Path) -> ctypes.CDLL:
         fn.argtypes, fn.restype = args, I
     lib.mv_last_error.argtypes, lib.mv_last_error.restype = [], ctypes.c_char_p
     lib.mv_int8_dot_kind.argtypes, lib.mv_int8_dot_kind.restype = [], ctypes.c_char_p
+    lib.mv_split_kv_chunk_keys.argtypes, lib.mv_split_kv_chunk_keys.restype = [I64, I64, I64, I64], I64
     return lib

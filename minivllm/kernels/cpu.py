@@ -20,10 +20,45 @@ import operator
 
 import torch
 
+from minivllm.config import cdiv
 from minivllm.kernels.reference import Q4_1_BYTES, Q8_0_BYTES, Q8_1_BYTES, QBLOCK
 
 MAX_ROWS = 8  # rows the few-rows matmuls take at once (csrc kMaxRows)
 NOT_WRITTEN = 2  # an op's status when its inner loop is exercise 18's stub (csrc kNotWritten): NotImplementedError
+SPLIT_MIN_KEYS = 128  # split-KV: no chunk shorter (csrc/split_kv.h kSplitMinKeys)
+SPLIT_GRANULE = 16  # split-KV: chunk lengths are multiples of this many keys (kSplitGranule)
+
+
+def split_kv_chunk_keys(rows: int, kv_heads: int, max_len: int, threads: int) -> int:
+    """Split-KV's rule (chapter 18c; csrc/split_kv.h's ``split_kv_rule``, which it mirrors): the keys per chunk of a
+    decode step of ``rows`` rows (one query each), the longest ``max_len`` keys, over ``threads`` threads;
+    ``max_len`` itself where the step is not split. Its work items are rows x kv_heads: split only where threads
+    would wait (fewer than two items a thread, and not a multiple of the threads), into the fewest chunks that give
+    every thread as many equal chunks, ``threads / gcd(items, threads)``, none under :data:`SPLIT_MIN_KEYS`."""
+    items = rows * kv_heads
+    if threads < 2 or items < 1 or max_len < 1 or items >= 2 * threads or items % threads == 0:
+        return max_len
+    chunks = min(threads // math.gcd(items, threads), max_len // SPLIT_MIN_KEYS)
+    if chunks < 2:
+        return max_len
+    return cdiv(cdiv(max_len, chunks), SPLIT_GRANULE) * SPLIT_GRANULE
+
+
+def split_kv_chunks(rows: int, kv_heads: int, max_len: int, threads: int) -> int:
+    """How many chunks split-KV cuts the longest row's keys into (1: not split), by :func:`split_kv_chunk_keys`."""
+    return cdiv(max_len, split_kv_chunk_keys(rows, kv_heads, max_len, threads)) if max_len > 0 else 1
+
+
+def split_kv_plan(seq_lens: list[int], kv_heads: int, threads: int, chunk_keys: int | None = None) -> list[tuple]:
+    """A decode step's work items as the C++ makes them (chapter 18c): ``(row, kv_head, first_key, end_key,
+    thread)`` in its order (row, KV head, chunk), item ``i`` on thread ``i % threads`` (``schedule(static, 1)``).
+    ``chunk_keys`` pins a chunk length (``CpuKernels.paged_attention_chunked``); None takes the rule's."""
+    max_len = max(seq_lens, default=0)
+    keys = chunk_keys or split_kv_chunk_keys(len(seq_lens), kv_heads, max_len, threads)
+    keys = keys if keys < max_len else max(max_len, 1)
+    items = [(b, g, k0, min(k0 + keys, n)) for b, n in enumerate(seq_lens) for g in range(kv_heads)
+             for k0 in range(0, n, keys)]
+    return [(*item, i % threads) for i, item in enumerate(items)]
 
 
 def _named(fn):
@@ -163,6 +198,21 @@ class CpuKernels:
 
     @_named
     def paged_attention(self, q, k_cache, v_cache, block_table, seq_lens, query_start, block_size: int) -> torch.Tensor:
+        return self.paged_attention_chunked(q, k_cache, v_cache, block_table, seq_lens, query_start, block_size, 0)
+
+    @property
+    def split_kv(self) -> bool:
+        """Whether this build splits a decode step's keys over the threads (minivllm's inner loops do; a build of a
+        reader's, exercise 18, attends every row through the reader's ``attend_tile``, unsplit)."""
+        return bool(self.lib.mv_split_kv_built())
+
+    def paged_attention_chunked(self, q, k_cache, v_cache, block_table, seq_lens, query_start, block_size: int,
+                                chunk_keys: int) -> torch.Tensor:
+        """:meth:`paged_attention` with split-KV's chunk length pinned (chapter 18c): ``chunk_keys`` 0 is the rule's
+        (:func:`split_kv_chunk_keys`), a positive number cuts a decode step's rows into chunks of that many keys
+        (one at least as long as the longest row: unsplit). Steps with more than one query a row are not split."""
+        _shape(isinstance(chunk_keys, int) and not isinstance(chunk_keys, bool) and chunk_keys >= 0,
+               f"chunk_keys must be an int >= 0 (0: the rule's), got {chunk_keys!r}")
         qp, qs_ = _rows(q, "q")
         kc, vc = _tensor(k_cache, "k_cache", dims=3), _tensor(v_cache, "v_cache", dims=3)
         bt = _tensor(block_table, "block_table", torch.int32, 2)
@@ -179,9 +229,10 @@ class CpuKernels:
                f"must describe the same sequences")
         _shape(isinstance(block_size, int) and block_size >= 1, f"block_size must be a positive int, got {block_size}")
         out = torch.empty(q.shape)
-        self._check(self.lib.mv_paged_attention(out.data_ptr(), qp, qs_, kc, vc, bt, block_table.shape[1], sl, qs, B, T, H,
-                                       k_cache.shape[1], D, block_size, k_cache.shape[0] // block_size,
-                                       1.0 / math.sqrt(D), torch.get_num_threads()))
+        self._check(self.lib.mv_paged_attention_chunked(out.data_ptr(), qp, qs_, kc, vc, bt, block_table.shape[1], sl,
+                                                        qs, B, T, H, k_cache.shape[1], D, block_size,
+                                                        k_cache.shape[0] // block_size, 1.0 / math.sqrt(D),
+                                                        torch.get_num_threads(), chunk_keys))
         return out
 
     @_named

@@ -2,6 +2,8 @@
 // Exercise 18's stub of this file has the same two functions, empty.
 #include "inner.h"
 
+#define MINIVLLM_OWN_INNER  // minivllm's own loops: a decode step may split its keys over threads (split_kv.h)
+
 namespace minivllm {
 
 template <int KV>  // key vectors per chunk: the softmax is updated once per KV * kLanes keys

@@ -4,7 +4,8 @@
 // and returns nonzero with a message (mv_last_error) instead of reading or
 // writing out of bounds; Python raises it as a ValueError. Threads split the
 // independent outputs (rows, heads, output features), never a sum, so a
-// result does not depend on the thread count or on what else the machine runs.
+// result does not depend on the thread count or on what else the machine runs; split-KV (split_kv.h) alone sums
+// partials, in a fixed order cut by the thread count: the same bits every run for a given count.
 #include <omp.h>
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include "inner.h"
 #include MINIVLLM_INNER  // the inner loops: inner.cpp, or a reader's (exercise 18)
 #include "int8_dot.h"      // the GGUF's blocks times 8-bit activations (llama.cpp's integer dot products)
+#include "split_kv.h"      // a decode step's few rows over long contexts: keys split over the threads
 
 using namespace minivllm;
 
@@ -61,10 +63,36 @@ int mv_write_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stri
 // Every row of a step through the paged cache (chapter 18): sequence b owns the queries
 // query_start[b] .. query_start[b + 1] of q [T, H, D] (token t at t * q_stride), the last of its seq_lens[b]
 // tokens, and reads its keys through block_table[b] [width]. The caches are [num_blocks * block_size (+ more), KVH, D].
+// A decode step's few rows over long contexts split their keys over the threads by split_kv.h's rule.
+int mv_paged_attention_chunked(float* out, const float* q, int64_t q_stride, const float* k_cache,
+                               const float* v_cache, const int32_t* block_table, int64_t width,
+                               const int32_t* seq_lens, const int32_t* query_start, int64_t B, int64_t T, int64_t H,
+                               int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, float scale,
+                               int nthreads, int64_t chunk_keys);
+
 int mv_paged_attention(float* out, const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                        const int32_t* block_table, int64_t width, const int32_t* seq_lens,
                        const int32_t* query_start, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                        int64_t block_size, int64_t num_blocks, float scale, int nthreads) {
+  return mv_paged_attention_chunked(out, q, q_stride, k_cache, v_cache, block_table, width, seq_lens, query_start,
+                                    B, T, H, KVH, D, block_size, num_blocks, scale, nthreads, 0);
+}
+
+// The rule's keys per chunk (split_kv.h), for Python's mirror of it to be checked against; whether this build
+// splits at all (minivllm's own inner loops do, a reader's do not).
+int64_t mv_split_kv_chunk_keys(int64_t rows, int64_t kv_heads, int64_t max_len, int64_t threads) {
+  return split_kv_rule(rows, kv_heads, max_len, threads);
+}
+int mv_split_kv_built() { return kSplitKVBuilt ? 1 : 0; }
+
+// mv_paged_attention with the chunk length given: chunk_keys 0 is the rule's, chunk_keys > 0 cuts a decode step's
+// rows into chunks of that many keys (the chapter's split against unsplit, the tests' every number of chunks).
+int mv_paged_attention_chunked(float* out, const float* q, int64_t q_stride, const float* k_cache,
+                               const float* v_cache, const int32_t* block_table, int64_t width,
+                               const int32_t* seq_lens, const int32_t* query_start, int64_t B, int64_t T, int64_t H,
+                               int64_t KVH, int64_t D, int64_t block_size, int64_t num_blocks, float scale,
+                               int nthreads, int64_t chunk_keys) {
+  if (chunk_keys < 0) return fail("chunk_keys is %lld: 0 (the rule's) or a positive number of keys", chunk_keys);
   if (H < 1 || KVH < 1 || H % KVH != 0)  // H = 0 would pass H % KVH and divide by zero below
     return fail("query heads (%lld) must be a positive multiple of KV heads (%lld)", H, KVH);
   if (D < 1 || D > kMaxHeadDim) return fail("head_dim %lld: the kernel takes 1 to %lld", D, kMaxHeadDim);
@@ -88,6 +116,12 @@ int mv_paged_attention(float* out, const float* q, int64_t q_stride, const float
         return fail("block_table[%lld] holds block %lld, outside the pool's %lld blocks", b * width + j, id,
                     num_blocks);
     }
+  }
+  const int64_t split = split_kv_step(seq_lens, query_start, B, KVH, threads(nthreads), chunk_keys);
+  if (split > 0) {
+    attend_split(out, q, q_stride, k_cache, v_cache, block_table, width, seq_lens, query_start, B, H, KVH, D,
+                 block_size, scale, threads(nthreads), split);
+    return 0;
   }
   const int64_t G = H / KVH;
   const int64_t tile_rows = std::max<int64_t>(1, std::min<int64_t>(16, kMaxTile / G));
