@@ -114,6 +114,8 @@ PARTS = [
          "spec_decode:MiniSpecAcceptor"),
     Part("18", "kernels_inner.cpp", "kernels", "exercises.kernels:check_kernels",
          "kernels: attention tile, Q4_1 dot (C++)", "kernels"),
+    Part("18b", "int8_block_dot.cpp", "block_dot", "exercises.integer_dots:check_block_dot",
+         "Q4_1 x Q8_1 block dot: integers (C++)"),
     Part("19", "grammar_masker", "MyGrammarMasker", "exercises.structured_output:check_grammar_masker",
          "structured outputs: the grammar's mask", "grammar_masker_cls", "exercises.structured_output:METHODS",
          "sampler:MiniGrammarMasker"),
