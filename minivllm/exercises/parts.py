@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["PARTS_DIR", "Part", "PARTS", "CHAPTERS", "WHAT_WIDTH"]
+__all__ = ["PARTS_DIR", "Part", "PARTS", "CHAPTERS", "WHAT_WIDTH", "CHAPTER_WIDTH"]
 
 PARTS_DIR = Path("your_engine")  # next to the notebooks: each exercise writes its part here
 
@@ -123,3 +123,4 @@ PARTS = [
 
 CHAPTERS = sorted({p.chapter for p in PARTS})  # the chapters whose exercises have a part: status --chapters
 WHAT_WIDTH = max(len(p.what) for p in PARTS)  # one column for the parts' descriptions, whichever are listed
+CHAPTER_WIDTH = max(len(p.chapter) for p in PARTS)  # and for their chapters ("18b" is one character wider)

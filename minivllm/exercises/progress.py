@@ -15,9 +15,9 @@ import io
 import signal
 from pathlib import Path
 
-from minivllm.exercises.parts import CHAPTERS, PARTS, PARTS_DIR, WHAT_WIDTH, Part
+from minivllm.exercises.parts import CHAPTER_WIDTH, CHAPTERS, PARTS, PARTS_DIR, WHAT_WIDTH, Part
 
-__all__ = ["Part", "PARTS", "CHAPTERS", "WHAT_WIDTH", "part_status", "status"]
+__all__ = ["Part", "PARTS", "CHAPTERS", "WHAT_WIDTH", "CHAPTER_WIDTH", "part_status", "status"]
 
 
 class CtrlC(KeyboardInterrupt):
@@ -96,7 +96,7 @@ def status(parts_dir: Path = PARTS_DIR, chapters: list[str] | None = None, run_c
     for part in chosen:
         state, detail = part_status(part, parts_dir, run_checks, live)
         states.append(state)
-        out(f"{part.chapter} {part.what:{WHAT_WIDTH}} {state:12} {detail}".rstrip())
+        out(f"{part.chapter:{CHAPTER_WIDTH}} {part.what:{WHAT_WIDTH}} {state:12} {detail}".rstrip())
     written = sum(s not in ("missing", "not written") for s in states)
     passing = states.count("passes")
     checked = f", {passing} pass their checks ({'live runs included' if live else 'targeted cases'})"
