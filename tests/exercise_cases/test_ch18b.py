@@ -5,6 +5,7 @@ cell with one slip, the way a reader would make it. Every variant is a real
 build (about a second each, then cached by its bytes).
 """
 
+import ctypes
 import json
 import os
 import tempfile
@@ -183,3 +184,17 @@ def test_without_avx2_the_scalar_loop_stands_in_and_the_check_says_so(monkeypatc
     check_block_dot(part)
     out = " ".join(capsys.readouterr().out.split())
     assert "this build has no AVX2" in out and "neither compiled nor checked" in out
+
+
+@needs_compiler
+def test_a_standalone_build_is_cached_and_a_spoilt_one_built_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
+    source = Path(os.fspath(Source("cached")))
+    headers = (build.CSRC / "block_dot.h",)
+    first = build.build_standalone(source, headers)
+    assert build.verified(first) and build.build_standalone(source, headers) == first
+    first.write_bytes(b"spoilt")  # a truncated or garbled cached library
+    assert not build.verified(first)
+    again = build.build_standalone(source, headers)
+    assert again == first and build.verified(again)
+    assert ctypes.CDLL(str(again)).mv18b_isa  # a library again, that loads
