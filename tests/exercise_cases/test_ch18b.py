@@ -95,10 +95,11 @@ AVX2_SATURATING_SUM = Source(  # the same with saturating adds
     (REDUCE, "  __m128i s = _mm_adds_epi16(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));\n"
              "  s = _mm_hadds_epi16(s, s);\n  s = _mm_hadds_epi16(s, s);\n  s = _mm_hadds_epi16(s, s);\n"
              "  return static_cast<int16_t>(_mm_extract_epi16(s, 0));\n"))
+UNPACK = ("  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs),  // high | low\n"
+          "                                     _mm256_set1_epi8(0x0F));                     // weights 0 .. 31\n")
 AVX2_UNMASKED = Source(  # the nibbles shifted, never masked: the low half keeps each byte's high bits
-    "avx2_unmasked", ("  const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs),  // high | low\n"
-                      "                                     _mm256_set1_epi8(0x0F));                     // weights 0 .. 31\n",
-                      "  const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0x0F)), qs);\n"))
+    "avx2_unmasked", (UNPACK, "  const __m256i w = _mm256_set_m128i(\n"
+                              "      _mm_and_si128(_mm_srli_epi16(qs, 4), _mm_set1_epi8(0x0F)), qs);\n"))
 
 # the block's value
 NO_MIN = Source("no_min", (DOT, DOT.replace(" + m_w * s_a;", ";")))
