@@ -19,7 +19,7 @@ from minivllm.config import default_device
 from minivllm.engine import LLM
 from minivllm.exercises._common import NOT_WRITTEN, unwritten
 from minivllm.exercises.live import PARTS_DIR, drive, greedy, load_part
-from minivllm.exercises.progress import CHAPTER_WIDTH, PARTS, WHAT_WIDTH, Part
+from minivllm.exercises.progress import PARTS, WHAT_WIDTH, Part
 from minivllm.sampling_params import SamplingParams
 from minivllm.structured_output import StructuredOutputsParams
 
@@ -60,7 +60,7 @@ def your_parts(parts: list[Part] = PARTS) -> dict[str, list]:
         problem = "missing (run exercise {} first)".format(part.chapter) if not path.exists() else None
         cls = None if problem else load_part(part.module, part.name)
         problem = problem or _probe(part, cls)
-        print(f"{part.chapter:{CHAPTER_WIDTH}} {part.what:{WHAT_WIDTH}} "
+        print(f"{part.chapter} {part.what:{WHAT_WIDTH}} "
               + ("yours" if problem is None else f"minivllm's: yours is {problem}"))
         if problem is None:
             found.setdefault(part.extension, []).append(cls)

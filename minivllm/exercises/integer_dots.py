@@ -232,7 +232,8 @@ def check_block_dot(block_dot=BLOCK_DOT, live: bool = True) -> None:
                                      f"{float(want[i]):.9g}; {_diagnose_dot(parts, I, got)}")
         checked.append(DOT)
     blocks = sum(len(w) for _, w, _ in cases)
-    done = f"{', '.join(checked)} match the reference on {len(cases)} cases ({blocks} block pairs"
+    verb = "matches" if len(checked) == 1 else "match"
+    done = f"{', '.join(checked)} {verb} the reference on {len(cases)} cases ({blocks} block pairs"
     if left:
         raise NotImplementedError(f"not written yet: {', '.join(left)} ({done}))")
     note = "" if part.isa == "avx2" else f"; {NO_AVX2}"

@@ -165,7 +165,7 @@ def test_the_scalar_loop_alone_passes_its_cases_and_the_rest_is_not_written():
     rest = _cell("exercises").split("int32_t q4_1_q8_1_isum_avx2", 1)[1]
     partly = Source("partly", text=scalar + "int32_t q4_1_q8_1_isum_avx2" + rest)
     with pytest.raises(NotImplementedError, match=r"not written yet: q4_1_q8_1_isum_avx2, q4_1_q8_1_block_dot "
-                                                  r"\(q4_1_q8_1_isum_scalar match the reference"):
+                                                  r"\(q4_1_q8_1_isum_scalar matches the reference"):
         check_block_dot(partly)
 
 
