@@ -28,7 +28,7 @@ _WHERE = {  # name -> the module of minivllm.exercises that defines it
     "check_preemption": "preemption", "check_generate_cached": "prefill_decode",
     "check_prefix_cache": "prefix_caching", "check_detokenizer": "sampling_streaming",
     "check_sampler": "sampling_streaming", "check_engine_loop": "serving", "check_spec_acceptor": "spec_decode",
-    "check_grammar_masker": "structured_output",
+    "check_grammar_masker": "structured_output", "build_block_dot": "native", "check_block_dot": "integer_dots",
     "check_merge_partials": "split_kv", "check_shard_weight": "tensor_parallel", "check_graph_runner": "where_time_goes",
 }
 
@@ -52,6 +52,7 @@ __all__ = [
     "check_kv_handoff",  # 16 prefill/decode disaggregation
     "check_spec_acceptor",  # 17 speculative decoding
     "build_kernels", "check_kernels",  # 18 kernels
+    "build_block_dot", "check_block_dot",  # 18b integer dot products
     "check_merge_partials",  # 18c split-KV
     "check_grammar_masker",  # 19 structured outputs
 ]

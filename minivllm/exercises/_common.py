@@ -65,11 +65,12 @@ def unwritten(part, methods: tuple[str, ...] = ()) -> list[str]:
     minivllm (the class the notebook names declares it; minivllm's own
     implementation, inherited, is not the reader's either). A function part:
     itself, while it is the exercise's stub. A kernel table (exercise 18's C++
-    build): each inner loop still ``MINIVLLM_NOT_WRITTEN``.
+    build) or exercise 18b's ``BlockDot``: each function still ``MINIVLLM_NOT_WRITTEN``.
     """
     from minivllm.kernels.cpu import CpuKernels
 
-    if isinstance(part, CpuKernels):
+    if isinstance(part, CpuKernels) or (not inspect.isclass(part) and not callable(part)
+                                         and callable(getattr(part, "not_written", None))):  # a C++ part's build
         return part.not_written()
     if not inspect.isclass(part):
         return [part.__name__] if is_stub(part) else []

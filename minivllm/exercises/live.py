@@ -21,7 +21,7 @@ from pathlib import Path
 
 from minivllm.engine import LLM
 from minivllm.exercises._common import complete, say
-from minivllm.exercises.native import build_kernels
+from minivllm.exercises.native import build_part
 from minivllm.exercises.parts import PARTS, PARTS_DIR
 from minivllm.sampling_params import SamplingParams
 
@@ -38,10 +38,11 @@ def load_part(module: str, name: str, parts_dir: Path = PARTS_DIR):
 
     A class part comes as the engine runs it (:func:`~minivllm.exercises._common.complete`): with minivllm's own
     behind it for the methods other exercises write, while each method of its own exercise is yours or raises
-    "not written yet". A C++ part (``module`` a ``.cpp`` file, exercise 18) comes built: its kernel table.
+    "not written yet". A C++ part (``module`` a ``.cpp`` file, exercises 18 and 18b) comes built: its kernel table,
+    or 18b's :class:`~minivllm.exercises.native.BlockDot`.
     """
     if module.endswith(".cpp"):
-        return build_kernels(Path(parts_dir) / module, quiet=True)
+        return build_part(Path(parts_dir) / module)
     path = Path(parts_dir) / f"{module}.py"
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist: run the %%writefile cell of that exercise first")

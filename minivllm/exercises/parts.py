@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["PARTS_DIR", "Part", "PARTS", "CHAPTERS", "WHAT_WIDTH"]
+__all__ = ["PARTS_DIR", "Part", "PARTS", "CHAPTERS", "WHAT_WIDTH", "CHAPTER_WIDTH"]
 
 PARTS_DIR = Path("your_engine")  # next to the notebooks: each exercise writes its part here
 
@@ -114,6 +114,8 @@ PARTS = [
          "spec_decode:MiniSpecAcceptor"),
     Part("18", "kernels_inner.cpp", "kernels", "exercises.kernels:check_kernels",
          "kernels: attention tile, Q4_1 dot (C++)", "kernels"),
+    Part("18b", "int8_block_dot.cpp", "block_dot", "exercises.integer_dots:check_block_dot",
+         "Q4_1 x Q8_1 block dot: integers (C++)"),
     Part("18c", "split_kv", "merge_partials", "exercises.split_kv:check_merge_partials",
          "split-KV: merge partial softmaxes"),
     Part("19", "grammar_masker", "MyGrammarMasker", "exercises.structured_output:check_grammar_masker",
@@ -123,3 +125,4 @@ PARTS = [
 
 CHAPTERS = sorted({p.chapter for p in PARTS})  # the chapters whose exercises have a part: status --chapters
 WHAT_WIDTH = max(len(p.what) for p in PARTS)  # one column for the parts' descriptions, whichever are listed
+CHAPTER_WIDTH = max(len(p.chapter) for p in PARTS)  # and for their chapters ("18b" is one character wider)

@@ -15,11 +15,9 @@ import io
 import signal
 from pathlib import Path
 
-from minivllm.exercises.parts import CHAPTERS, PARTS, PARTS_DIR, WHAT_WIDTH, Part
+from minivllm.exercises.parts import CHAPTER_WIDTH, CHAPTERS, PARTS, PARTS_DIR, WHAT_WIDTH, Part
 
-__all__ = ["Part", "PARTS", "CHAPTERS", "WHAT_WIDTH", "part_status", "status"]
-
-CHAPTER_WIDTH = max(len(p.chapter) for p in PARTS)  # "18c" beside "04": one column for the states
+__all__ = ["Part", "PARTS", "CHAPTERS", "WHAT_WIDTH", "CHAPTER_WIDTH", "part_status", "status"]
 
 
 class CtrlC(KeyboardInterrupt):

@@ -222,3 +222,39 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mv_int8_dot_kind.argtypes, lib.mv_int8_dot_kind.restype = [], ctypes.c_char_p
     lib.mv_split_kv_chunk_keys.argtypes, lib.mv_split_kv_chunk_keys.restype = [I64, I64, I64, I64], I64
     return lib
+
+
+def build_standalone(source: Path, headers: tuple[Path, ...] = (), isa: tuple[str, ...] = ("-march=native",),
+                     flags: tuple[str, ...] = ("-O2", "-std=c++17", "-fPIC", "-shared", "-Wno-psabi")) -> Path:
+    """One C++ file built alone into a shared library (exercise 18b's block dot, chapter 18b): no ``ops.cpp``, no
+    OpenMP, so about a second. Cached and verified as :func:`build` is, keyed by the file, ``headers`` (the csrc
+    headers it includes), the compiler, the flags and this CPU. Raises :class:`BuildError` where it cannot be built
+    (the compiler's message)."""
+    cxx = compiler()
+    if cxx is None:
+        raise BuildError("no C++ compiler found (set $CXX, or install g++: apt-get install g++)")
+    source = Path(source).resolve()
+    digest = hashlib.sha256()
+    for part in [*(p.read_bytes() for p in (source, *headers)), compiler_version(cxx).encode(),
+                 " ".join([*flags, *isa]).encode(), cpu_key().encode()]:
+        digest.update(hashlib.sha256(part).digest())
+    target = cache_dir() / "standalone" / digest.hexdigest()[:16] / f"lib{source.stem}.so"
+    if verified(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary(target.parent, ".so")
+    try:
+        done = _run([cxx, *isa, *flags, f"-I{CSRC}", str(source), "-o", str(tmp)])
+        if done.returncode != 0 and isa and "march" in done.stderr:  # a compiler that cannot target this CPU
+            # (only then: without -march a reader's AVX2 code, under #if __AVX2__, would drop out and hide its errors)
+            done = _run([cxx, *flags, f"-I{CSRC}", str(source), "-o", str(tmp)])
+        if done.returncode == 0:
+            sha = _sha256(tmp)
+            _publish(tmp, target)
+            record = _temporary(target.parent, ".sha256")
+            record.write_text(sha + "\n")
+            _publish(record, digest_path(target))
+            return target
+        raise BuildError(f"{cxx} failed on {source.name}:\n{done.stderr.strip()[-3000:]}")
+    finally:
+        tmp.unlink(missing_ok=True)
