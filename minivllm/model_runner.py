@@ -17,8 +17,8 @@ A row whose sample has a constraint (chapter 19) gets its grammar's bitmask
 on its logits before anything samples from them (:meth:`ModelRunner.apply_grammars`),
 whatever the sampler; a drafted row gets one per verified position. Rows
 without one are not touched. The bitmasks need the matchers only, not the
-logits, so (``overlap_grammar_fill``) one worker thread fills them while the
-forward runs on this one, and the step joins it before applying them: as
+logits, so (``overlap_grammar_fill``) one worker thread can fill them while
+the forward runs on this one, and the step joins it before applying them: as
 vLLM's ``EngineCore.step`` (``vllm/v1/engine/core.py``), which launches
 ``execute_model(..., non_block=True)``, then calls ``get_grammar_bitmask``,
 then ``sample_tokens``. xgrammar's fill is C++ that releases the GIL.
@@ -31,6 +31,7 @@ KV pool; rank 0 builds them from the chunks and broadcasts them
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -53,6 +54,13 @@ def _noop_mark(name: str) -> None:
     pass
 
 
+def overlap_helps(device: torch.device) -> bool:
+    """Whether filling the bitmasks during the forward can save time (``overlap_grammar_fill=None``, chapter 19):
+    on a GPU the forward runs on the device and this thread waits; on a CPU only if the forward's threads leave
+    a core free, else the fill's thread takes a core from the forward's team."""
+    return device.type != "cpu" or torch.get_num_threads() < len(os.sched_getaffinity(0))
+
+
 @dataclass
 class StepInputs:
     """One step's flat token batch as plain lists: built once from the chunks, turned into tensors per rank."""
@@ -72,15 +80,16 @@ class ModelRunner:
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  kv_cache_cls=MiniPagedKVCache, sampler=None, num_offload_blocks: int = 0,
                  graph_runner_cls=MiniDecodeGraphRunner, accept=None, grammar_masker_cls=MiniGrammarMasker,
-                 overlap_grammar_fill: bool = False):
+                 overlap_grammar_fill: bool | None = False):
         self.model = model
         self.grammar_masker = grammar_masker_cls()  # an extension point (exercise 19): the grammars' masks
-        self.overlap_grammar_fill = overlap_grammar_fill  # fill the masks while the forward runs (chapter 19)
+        self.device = model.lm_head.weight.device
+        # fill the masks while the forward runs (chapter 19); None: where it can help
+        self.overlap_grammar_fill = overlap_helps(self.device) if overlap_grammar_fill is None else overlap_grammar_fill
         self._fill_worker: ThreadPoolExecutor | None = None  # one thread, started at the first overlapped fill
         self.last_grammar_s = {"fill": 0.0, "apply": 0.0}  # the latest step's, wherever each ran (chapter 19)
         self.accept = accept or accept_greedy  # a greedy row's acceptance rule (chapter 17's SpecAcceptor.accept)
         self.graph_runner_cls = graph_runner_cls  # an extension point (exercise 12): what enable_decode_graphs builds
-        self.device = model.lm_head.weight.device
         if self.device.type == "cpu":  # a step's freed buffers stay in the heap for the next step (chapter 12)
             keep_freed_memory()
         self.block_size = block_size

@@ -519,7 +519,7 @@ def test_the_fill_runs_while_the_forward_runs_and_no_thread_outlives_shutdown(pr
     start; only fills made during the forward can let both go on."""
     import threading
     before = set(threading.enumerate())  # other engines' fill threads (the module's) are not this one's
-    llm = LLM("tiny-random", device="cpu", num_blocks=64, max_num_seqs=4)  # overlap_grammar_fill: the default
+    llm = LLM("tiny-random", device="cpu", num_blocks=64, max_num_seqs=4, overlap_grammar_fill=True)
     runner = llm.engine.runner
     real_forward, real_fill = runner.forward_inputs, runner.grammar_masker.fill
     started, filled, met = threading.Event(), threading.Event(), []
@@ -574,7 +574,15 @@ def test_an_error_in_the_fill_reaches_the_step_as_without_the_overlap(overlap):
     llm.shutdown()
 
 
-def test_overlap_grammar_fill_is_validated():
+def test_overlap_grammar_fill_is_validated_and_by_default_follows_the_rule(monkeypatch):
+    from minivllm import model_runner
     from minivllm.config import EngineConfig
     with pytest.raises(ValueError, match="overlap_grammar_fill"):
         EngineConfig(model="tiny-random", overlap_grammar_fill="yes")
+    cores = len(model_runner.os.sched_getaffinity(0))
+    assert model_runner.overlap_helps(torch.device("cuda"))  # the device computes, this thread waits
+    for threads, helps in ((cores, False), (max(1, cores - 1), cores > 1)):  # a core left free, or none
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        assert model_runner.overlap_helps(torch.device("cpu")) is helps
+        llm = LLM("tiny-random", device="cpu", num_blocks=16, max_num_seqs=2)
+        assert llm.engine.runner.overlap_grammar_fill is helps
