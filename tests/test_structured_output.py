@@ -294,11 +294,12 @@ def test_the_structured_benchmark_reports_validity_and_the_grammars_share(tiny_l
     from minivllm.bench import run_structured, structured_main, structured_prompts
 
     prompts = structured_prompts(tiny_llm.get_tokenizer(), 3)
+    setting = tiny_llm.engine.runner.overlap_grammar_fill
     on = run_structured(tiny_llm, prompts, 160, constrained=True, overlap=False)
     overlapped = run_structured(tiny_llm, prompts, on["lengths"], constrained=True, overlap=True)
     off = run_structured(tiny_llm, prompts, on["lengths"], constrained=False)
     assert on["valid"] == overlapped["valid"] == 1.0 and off["valid"] == 0.0 and off["lengths"] == on["lengths"]
-    assert overlapped["texts"] == on["texts"] and tiny_llm.engine.runner.overlap_grammar_fill  # the setting back
+    assert overlapped["texts"] == on["texts"] and tiny_llm.engine.runner.overlap_grammar_fill is setting  # back
     for run in (on, overlapped):
         assert run["grammar_ms_per_step"] > 0 and 0 < run["grammar_share"] < 1
         assert run["fill_ms_per_step"] > 0 and run["apply_ms_per_step"] > 0 and run["forward_ms_per_step"] > 0
