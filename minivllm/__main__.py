@@ -408,7 +408,8 @@ def _workloads_help() -> str:
     lines += [f"  {'speculative':16} prompt lookup off and on, on repetitive and open chat prompts (chapter 17)",
               f"  {'':16} --num-requests N (one batch size; default 1, 4 and 16), "
               "--output-len MIN MAX (MAX tokens; 64)",
-              f"  {'structured':16} a JSON-schema constraint off and on: validity, TPOT, the grammar's share (chapter 19)",
+              f"  {'structured':16} a JSON-schema constraint off and on (masks filled after or during the forward): "
+              "validity, TPOT, fill, apply and forward apart, the grammar's share (chapter 19)",
               f"  {'':16} --num-requests N (one batch size; default 1 and 16), --output-len MIN MAX (MAX tokens; 64)",
               "A short run: --num-requests 4 --output-len 16 16 --compare none --no-roofline (no baselines, no "
               "measuring the machine)."]

@@ -157,6 +157,13 @@ class EngineConfig:
     Structured outputs (chapter 19): a request's grammar compiles in a worker
     thread while it waits; one that takes longer than
     ``structured_outputs_timeout_s`` seconds ends its request with that error.
+    ``overlap_grammar_fill`` fills a step's bitmasks on one worker thread
+    while the forward runs (as vLLM's ``EngineCore.step``), joined before the
+    masks are applied; False fills them after the forward; None (the default)
+    overlaps where the forward leaves something idle to overlap with: on a
+    GPU, or on a CPU whose cores are not all the forward's threads
+    (:func:`minivllm.model_runner.overlap_helps`). The tokens are the same
+    either way.
 
     Extension points (as vLLM's ``scheduler_cls``): ``scheduler_cls``,
     ``block_manager_cls``, ``attention_backend`` (the paged KV cache class),
@@ -246,6 +253,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     priority_aging_rate: float = 0.0
     structured_outputs_timeout_s: float = 30.0
+    overlap_grammar_fill: bool | None = None  # None: where a step has something to overlap (the runner's rule)
     device: str | None = None
     dtype: str = "auto"
     seed: int = 0
@@ -293,8 +301,7 @@ class EngineConfig:
         check(is_number(self.admission_watermark) and 0 <= self.admission_watermark < 1, "admission_watermark", "in [0, 1)", self.admission_watermark)
         check(is_int(self.preemption_protection_steps) and self.preemption_protection_steps >= 0, "preemption_protection_steps", "an integer >= 0", self.preemption_protection_steps)
         check(is_number(self.priority_aging_rate) and self.priority_aging_rate >= 0, "priority_aging_rate", "a number >= 0", self.priority_aging_rate)
-        check(is_number(self.structured_outputs_timeout_s) and self.structured_outputs_timeout_s > 0,
-              "structured_outputs_timeout_s", "a number of seconds > 0", self.structured_outputs_timeout_s)
+        self._check_structured_outputs()
         check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
         check(self.device is None or str(self.device).split(":")[0] in available_devices(), "device",
               f"None or one available here: {available_devices()}", self.device)
@@ -310,6 +317,13 @@ class EngineConfig:
         self._check_disaggregated()
         self._check_speculative()
         self._check_extension_points()
+
+    def _check_structured_outputs(self) -> None:
+        """A compile's time limit (seconds > 0) and the mask's overlap with the forward (chapter 19)."""
+        check(is_number(self.structured_outputs_timeout_s) and self.structured_outputs_timeout_s > 0,
+              "structured_outputs_timeout_s", "a number of seconds > 0", self.structured_outputs_timeout_s)
+        check(self.overlap_grammar_fill is None or isinstance(self.overlap_grammar_fill, bool),
+              "overlap_grammar_fill", "None, True or False", self.overlap_grammar_fill)
 
     def _check_extension_points(self) -> None:
         """Every class extension point resolves to a class, ``shard_weight`` and ``kv_handoff_cls`` to None or a

@@ -132,10 +132,12 @@ class LLMEngine:
             self.runner = ModelRunner(*args, **tier,
                                       graph_runner_cls=resolve(config.graph_runner_cls),
                                       accept=acceptor.accept if acceptor is not None else None,
-                                      grammar_masker_cls=resolve(config.grammar_masker_cls))
+                                      grammar_masker_cls=resolve(config.grammar_masker_cls),
+                                      overlap_grammar_fill=config.overlap_grammar_fill)
         else:
             self.runner = TensorParallelRunner(self.workers, *args,
-                                               grammar_masker_cls=resolve(config.grammar_masker_cls))
+                                               grammar_masker_cls=resolve(config.grammar_masker_cls),
+                                               overlap_grammar_fill=config.overlap_grammar_fill)
         if config.use_cuda_graphs and self.workers is None:  # decode steps replay CUDA graphs (chapter 12)
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
 
@@ -147,7 +149,8 @@ class LLMEngine:
         return {"num_offload_blocks": config.kv_offload_blocks, "tier_cls": resolve(config.offload_tier_cls)}
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel worker processes (chapter 15); idempotent, a no-op with one process.
+        """Stop the tensor-parallel worker processes (chapter 15) and the grammar fill's thread (chapter 19);
+        idempotent.
 
         The engine cannot step afterwards. ``LLM`` is a context manager that
         calls this; an engine that is garbage-collected or still alive at
@@ -156,6 +159,8 @@ class LLMEngine:
         with self.lock:
             if self.workers is not None:
                 self.workers.shutdown()
+            if getattr(self, "runner", None) is not None:
+                self.runner.stop_fill_worker()
 
     def check_health(self) -> None:
         """Raise :class:`WorkerError` if the engine can no longer step (vLLM's name): a tensor-parallel rank died."""

@@ -16,7 +16,12 @@ the cached KV, exactly a prefill chunk; all its ``1 + d`` rows get logits and
 A row whose sample has a constraint (chapter 19) gets its grammar's bitmask
 on its logits before anything samples from them (:meth:`ModelRunner.apply_grammars`),
 whatever the sampler; a drafted row gets one per verified position. Rows
-without one are not touched.
+without one are not touched. The bitmasks need the matchers only, not the
+logits, so (``overlap_grammar_fill``) one worker thread can fill them while
+the forward runs on this one, and the step joins it before applying them: as
+vLLM's ``EngineCore.step`` (``vllm/v1/engine/core.py``), which launches
+``execute_model(..., non_block=True)``, then calls ``get_grammar_bitmask``,
+then ``sample_tokens``. xgrammar's fill is C++ that releases the GIL.
 
 Under tensor parallelism (chapter 15) every rank runs :meth:`forward_inputs`
 on the same :class:`StepInputs` with its own shard of the model and its own
@@ -26,6 +31,10 @@ KV pool; rank 0 builds them from the chunks and broadcasts them
 
 from __future__ import annotations
 
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +52,13 @@ from minivllm.structured_output import NoContinuation
 
 def _noop_mark(name: str) -> None:
     pass
+
+
+def overlap_helps(device: torch.device) -> bool:
+    """Whether filling the bitmasks during the forward can save time (``overlap_grammar_fill=None``, chapter 19):
+    on a GPU the forward runs on the device and this thread waits; on a CPU only if the forward's threads leave
+    a core free, else the fill's thread takes a core from the forward's team."""
+    return device.type != "cpu" or torch.get_num_threads() < len(os.sched_getaffinity(0))
 
 
 @dataclass
@@ -63,12 +79,17 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
                  kv_cache_cls=MiniPagedKVCache, sampler=None, num_offload_blocks: int = 0,
-                 graph_runner_cls=MiniDecodeGraphRunner, accept=None, grammar_masker_cls=MiniGrammarMasker):
+                 graph_runner_cls=MiniDecodeGraphRunner, accept=None, grammar_masker_cls=MiniGrammarMasker,
+                 overlap_grammar_fill: bool | None = False):
         self.model = model
         self.grammar_masker = grammar_masker_cls()  # an extension point (exercise 19): the grammars' masks
+        self.device = model.lm_head.weight.device
+        # fill the masks while the forward runs (chapter 19); None: where it can help
+        self.overlap_grammar_fill = overlap_helps(self.device) if overlap_grammar_fill is None else overlap_grammar_fill
+        self._fill_worker: ThreadPoolExecutor | None = None  # one thread, started at the first overlapped fill
+        self.last_grammar_s = {"fill": 0.0, "apply": 0.0}  # the latest step's, wherever each ran (chapter 19)
         self.accept = accept or accept_greedy  # a greedy row's acceptance rule (chapter 17's SpecAcceptor.accept)
         self.graph_runner_cls = graph_runner_cls  # an extension point (exercise 12): what enable_decode_graphs builds
-        self.device = model.lm_head.weight.device
         if self.device.type == "cpu":  # a step's freed buffers stay in the heap for the next step (chapter 12)
             keep_freed_memory()
         self.block_size = block_size
@@ -137,10 +158,20 @@ class ModelRunner:
         mark = clock.mark if clock is not None else _noop_mark
         if not chunks:
             return SamplerOutput([], [])
-        logits = self.forward_inputs(self.step_inputs(chunks), mark)
+        self.last_grammar_s = {"fill": 0.0, "apply": 0.0}
+        inputs = self.step_inputs(chunks)
+        filling = self.start_fill(chunks, len(inputs.logits_rows)) if self.overlap_grammar_fill else None
+        try:
+            logits = self.forward_inputs(inputs, mark)
+        except BaseException:  # joined even so: nothing else may touch the matchers while it fills
+            if filling is not None:
+                wait_futures([filling])
+            raise
         if logits is None:
+            if filling is not None:
+                wait_futures([filling])
             return SamplerOutput([], [])
-        self.apply_grammars(logits, chunks, mark)
+        self.apply_grammars(logits, chunks, mark, filling)
         if any(c.spec_token_ids for c in chunks):
             result = self.verify(logits, chunks)
         else:
@@ -149,12 +180,39 @@ class ModelRunner:
         mark("sample")
         return result
 
+    def start_fill(self, chunks: list[ScheduledChunk], num_rows: int) -> Future | None:
+        """The step's bitmasks filled on the worker thread, as a future of :meth:`fill_grammars`' result;
+        None if no row has a grammar. The forward runs meanwhile (chapter 19)."""
+        rows = self.grammar_rows(chunks)
+        if not rows:
+            return None
+        if self._fill_worker is None:
+            self._fill_worker = ThreadPoolExecutor(1, thread_name_prefix="minivllm-grammar-fill")
+        return self._fill_worker.submit(self.fill_grammars, rows, num_rows, self.model.config.vocab_size)
+
+    def fill_grammars(self, rows: list[tuple], num_rows: int, vocab_size: int) -> tuple[torch.Tensor, list[int]]:
+        """A fresh bitmask of ``num_rows`` rows (every token allowed) with the constrained rows filled by the
+        ``grammar_masker``, and those rows; its time goes to ``last_grammar_s["fill"]``."""
+        start = time.perf_counter()
+        bitmask = self.grammar_masker.new_bitmask(num_rows, vocab_size)
+        index = self.grammar_masker.fill(bitmask, rows)
+        self.last_grammar_s["fill"] = time.perf_counter() - start
+        return bitmask, list(index)
+
+    def stop_fill_worker(self) -> None:
+        """End the fill thread, if one started (the engine's shutdown); a later step starts another."""
+        worker, self._fill_worker = self._fill_worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+
     def apply_grammars(
-        self, logits: torch.Tensor, chunks: list[ScheduledChunk], mark=_noop_mark
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], mark=_noop_mark, filled: Future | None = None
     ) -> bool:
         """Mask, in place, the logits of every row whose sample has a grammar (chapter 19); False if
         none has. The time it takes is the step's "grammar" phase (the logits before it stay in
-        "sample", as without one).
+        "sample", as without one). ``filled``: the bitmasks already filled while the forward ran
+        (:meth:`start_fill`), so the phase holds only what is left of the fill and the apply; its error,
+        if the fill failed, is raised here, as the fill's own would be.
 
         A plain row gets its matcher's bitmask. A drafted row (chapter 17) has
         ``1 + d`` rows: row ``i`` follows draft ``i - 1``, so the matcher is
@@ -172,7 +230,14 @@ class ModelRunner:
         if not rows:
             return False
         mark("sample")
-        self.grammar_masker(logits, rows)
+        if filled is not None and logits.shape[-1] == self.model.config.vocab_size:
+            bitmask, index = filled.result()
+        else:
+            bitmask, index = self.fill_grammars(rows, logits.shape[0], logits.shape[-1])
+        start = time.perf_counter()
+        if index:
+            self.grammar_masker.apply(logits, bitmask, index)
+        self.last_grammar_s["apply"] = time.perf_counter() - start
         index = [r + i for r, _, drafts in rows for i in range(len(drafts) + 1)]
         if torch.isneginf(logits[index]).all(dim=-1).any():
             raise NoContinuation()

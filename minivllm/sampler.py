@@ -100,7 +100,9 @@ class GrammarMasker:
     positions are the logits rows ``first`` to ``first + len(drafts)``. Rows
     no sample constrains are never given. :meth:`__call__` makes the step's
     bitmask (every token allowed in every row), has :meth:`fill` write the
-    constrained rows' and :meth:`apply` put them on the logits. The interface:
+    constrained rows' and :meth:`apply` put them on the logits. The runner
+    makes the same three calls itself, the first two on its fill thread while
+    the forward runs (``EngineConfig.overlap_grammar_fill``). The interface:
     exercise 19 subclasses it and writes both; minivllm's own are
     :class:`MiniGrammarMasker`'s.
     """

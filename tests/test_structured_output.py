@@ -68,7 +68,7 @@ def plain_outputs(tiny_llm, prompts):
 
 def params(kind: str, **kw) -> SamplingParams:
     sampling = dict(temperature=0.0) if kind == "greedy" else dict(temperature=1.0, top_p=0.9, seed=7)
-    return SamplingParams(max_tokens=MAX_TOKENS, structured_outputs=COMPACT, **sampling, **kw)
+    return SamplingParams(**{"max_tokens": MAX_TOKENS, "structured_outputs": COMPACT, **sampling, **kw})
 
 
 def texts(llm, outputs) -> list[str]:
@@ -294,13 +294,20 @@ def test_the_structured_benchmark_reports_validity_and_the_grammars_share(tiny_l
     from minivllm.bench import run_structured, structured_main, structured_prompts
 
     prompts = structured_prompts(tiny_llm.get_tokenizer(), 3)
-    on = run_structured(tiny_llm, prompts, 160, constrained=True)
+    setting = tiny_llm.engine.runner.overlap_grammar_fill
+    on = run_structured(tiny_llm, prompts, 160, constrained=True, overlap=False)
+    overlapped = run_structured(tiny_llm, prompts, on["lengths"], constrained=True, overlap=True)
     off = run_structured(tiny_llm, prompts, on["lengths"], constrained=False)
-    assert on["valid"] == 1.0 and off["valid"] == 0.0 and off["lengths"] == on["lengths"]
-    assert on["grammar_ms_per_step"] > 0 and 0 < on["grammar_share"] < 1 and off["grammar_share"] == 0
+    assert on["valid"] == overlapped["valid"] == 1.0 and off["valid"] == 0.0 and off["lengths"] == on["lengths"]
+    assert overlapped["texts"] == on["texts"] and tiny_llm.engine.runner.overlap_grammar_fill is setting  # back
+    for run in (on, overlapped):
+        assert run["grammar_ms_per_step"] > 0 and 0 < run["grammar_share"] < 1
+        assert run["fill_ms_per_step"] > 0 and run["apply_ms_per_step"] > 0 and run["forward_ms_per_step"] > 0
+    assert off["grammar_share"] == off["fill_ms_per_step"] == off["apply_ms_per_step"] == 0
     assert structured_main(["--model", "tiny-random", "--batch-sizes", "2", "--output-tokens", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert any(line.split()[:2] == ["2", "on"] for line in lines) and any("TPOT on/off" in line for line in lines)
+    assert {"serial", "overlap", "off"} <= {line.split()[1] for line in lines if line.split()[:1] == ["2"]}
+    assert any("fill" in line and "apply" in line and "forward" in line for line in lines)
 
 
 # -- hostile constraints (issue 65): refused by name, never a 500, never a stall ----------------------------------
@@ -470,3 +477,113 @@ def test_a_compile_past_its_time_limit_ends_its_request_with_the_limits_error(ti
     bad, plain = tiny_llm.generate(["Hi", "Hi"], [slow, SamplingParams(max_tokens=4)], use_tqdm=False)
     assert bad.outputs[0].finish_reason == "error" and plain.outputs[0].finish_reason == "length"
     assert "took longer to compile than the limit of 0.2 s (EngineConfig.structured_outputs_timeout_s)" in bad.error
+
+
+# -- the masks filled while the forward runs (issue 71, item 9) ----------------------------------------------------
+OVERLAP_CASES = {  # name: (engine options, how many prompts)
+    "batch 1": ({}, 1),
+    "batch 8, ends mid-batch": ({}, 8),
+    "speculation": (SETTINGS["speculation"], 8),
+}
+
+
+def mixed_lengths(kind: str, n: int) -> list:
+    """Requests that end at different steps: some cut by ``max_tokens``, the others where the grammar ends."""
+    return [params(kind, max_tokens=6 + 5 * i) if i % 2 else params(kind) for i in range(n)]
+
+
+@pytest.mark.parametrize("case", sorted(OVERLAP_CASES))
+def test_the_overlapped_fill_gives_the_same_tokens_and_runs_while_the_forward_does(case, prompts):
+    import threading
+    options, n = OVERLAP_CASES[case]
+    tokens, fill_threads = {}, {}
+    for overlap in (False, True):
+        llm = LLM("tiny-random", device="cpu", num_blocks=256, max_num_seqs=16, overlap_grammar_fill=overlap,
+                  **options)
+        masker, threads = llm.engine.runner.grammar_masker, set()
+        real_fill = masker.fill
+        masker.fill = lambda bitmask, rows: (threads.add(threading.current_thread().name), real_fill(bitmask, rows))[1]
+        for kind in ("greedy", "sampled"):
+            tokens[overlap, kind] = run_engine(llm, [(f"r{i}", ids, p) for i, (ids, p) in
+                                                     enumerate(zip(prompts[:n], mixed_lengths(kind, n)))])
+        fill_threads[overlap] = threads
+        llm.shutdown()
+    for kind in ("greedy", "sampled"):
+        assert tokens[True, kind] == tokens[False, kind], kind
+        assert_valid(texts(llm, {r: t for r, t in tokens[True, kind].items() if int(r[1:]) % 2 == 0}))
+    assert fill_threads[False] == {"MainThread"}
+    assert len(fill_threads[True]) == 1 and fill_threads[True] != {"MainThread"}  # one worker thread
+
+
+def test_the_fill_runs_while_the_forward_runs_and_no_thread_outlives_shutdown(prompts):
+    """Deterministic, no timing: the forward waits (bounded) for the fill to finish, the fill for the forward to
+    start; only fills made during the forward can let both go on."""
+    import threading
+    before = set(threading.enumerate())  # other engines' fill threads (the module's) are not this one's
+    llm = LLM("tiny-random", device="cpu", num_blocks=64, max_num_seqs=4, overlap_grammar_fill=True)
+    runner = llm.engine.runner
+    real_forward, real_fill = runner.forward_inputs, runner.grammar_masker.fill
+    started, filled, met = threading.Event(), threading.Event(), []
+
+    def forward(inputs, mark):
+        started.set()
+        met.append(filled.wait(60))  # a fill during this forward sets it
+        filled.clear()
+        return real_forward(inputs, mark)
+
+    def fill(bitmask, rows):
+        assert started.wait(60), "the forward never started while the fill waited for it"
+        started.clear()
+        index = real_fill(bitmask, rows)
+        filled.set()
+        return index
+
+    runner.forward_inputs, runner.grammar_masker.fill = forward, fill
+    out = run_engine(llm, [("r0", prompts[0], params("greedy", max_tokens=8))])
+    assert len(out["r0"]) == 8 and met == [True] * 8
+    fillers = [t for t in set(threading.enumerate()) - before if t.name.startswith("minivllm-grammar-fill")]
+    assert len(fillers) == 1  # one worker thread, kept between steps
+    llm.shutdown()
+    assert not any(t.is_alive() for t in fillers)  # joined
+
+
+class FailingFill:
+    """A masker (minivllm's) whose fill fails from its third call on, on whichever thread it runs."""
+
+    def __init__(self):
+        from minivllm.sampler import MiniGrammarMasker
+        self.masker, self.calls = MiniGrammarMasker(), 0
+
+    def __getattr__(self, name):
+        return getattr(self.masker, name)
+
+    def fill(self, bitmask, rows):
+        self.calls += 1
+        if self.calls >= 3:
+            raise RuntimeError("the fill broke")
+        return self.masker.fill(bitmask, rows)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_error_in_the_fill_reaches_the_step_as_without_the_overlap(overlap):
+    llm = LLM("tiny-random", device="cpu", num_blocks=64, max_num_seqs=4, overlap_grammar_fill=overlap)
+    llm.engine.runner.grammar_masker = FailingFill()
+    p = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{20}"))
+    bad, plain = llm.generate(["Hi", "Hi"], [p, SamplingParams(temperature=0, max_tokens=8)], use_tqdm=False)
+    assert bad.outputs[0].finish_reason == "error" and bad.error == "RuntimeError: the fill broke", bad.error
+    assert plain.outputs[0].finish_reason == "length"
+    llm.shutdown()
+
+
+def test_overlap_grammar_fill_is_validated_and_by_default_follows_the_rule(monkeypatch):
+    from minivllm import model_runner
+    from minivllm.config import EngineConfig
+    with pytest.raises(ValueError, match="overlap_grammar_fill"):
+        EngineConfig(model="tiny-random", overlap_grammar_fill="yes")
+    cores = len(model_runner.os.sched_getaffinity(0))
+    assert model_runner.overlap_helps(torch.device("cuda"))  # the device computes, this thread waits
+    for threads, helps in ((cores, False), (max(1, cores - 1), cores > 1)):  # a core left free, or none
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        assert model_runner.overlap_helps(torch.device("cpu")) is helps
+        llm = LLM("tiny-random", device="cpu", num_blocks=16, max_num_seqs=2)
+        assert llm.engine.runner.overlap_grammar_fill is helps

@@ -3,12 +3,17 @@
 Chat prompts that ask for a person as JSON, run with a JSON-schema constraint
 (compact JSON, vLLM's ``disable_any_whitespace``) and without one, at every
 batch size (all requests at once), in alternation on fresh warmed-up
-engines; greedy. Reported: the share of answers that parse and validate
-against the schema, output tokens/s, median TPOT, and the grammar's own
-time per step (the bitmasks filled and applied, the runner's "grammar"
-phase) against the whole step. The constrained run goes first; the
+engines; greedy. The constrained run goes twice, with the bitmasks filled
+after the forward and while it runs (``EngineConfig.overlap_grammar_fill``,
+the runner's switch flipped between runs on one engine). Reported: the
+share of answers that parse and validate against the schema, output
+tokens/s, median TPOT, the fill, the apply and the forward apart (ms a
+step, each where it ran: the fill on the worker thread when overlapped), and
+the grammar's share of a step: what it adds to the step's path (the
+runner's "grammar" phase: the fill and the apply, or, overlapped, the wait
+for the fill and the apply). The constrained runs go first; the
 unconstrained one then gives each request exactly as many tokens
-(``ignore_eos``), so both batches shrink alike and their TPOTs compare.
+(``ignore_eos``), so the batches shrink alike and their TPOTs compare.
 """
 
 from __future__ import annotations
@@ -59,36 +64,48 @@ def is_valid(text: str, schema: dict = PERSON_SCHEMA) -> bool:
     return True
 
 
-def run_structured(llm: LLM, prompts, output_tokens, constrained: bool) -> dict:
+def run_structured(llm: LLM, prompts, output_tokens, constrained: bool, overlap: bool | None = None) -> dict:
     """One timed batch, every prompt at once, stepped here so that each step's phases add up. ``output_tokens``:
-    the most a request may generate, or a list of exactly how many each does (unconstrained runs)."""
+    the most a request may generate, or a list of exactly how many each does (unconstrained runs). ``overlap``:
+    fill the bitmasks while the forward runs, or after it (None: the engine's setting)."""
     so = StructuredOutputsParams(json=PERSON_SCHEMA, disable_any_whitespace=True) if constrained else None
     lengths = output_tokens if isinstance(output_tokens, list) else [output_tokens] * len(prompts)
-    engine = llm.engine
+    engine, runner = llm.engine, llm.engine.runner
+    setting = runner.overlap_grammar_fill
+    runner.overlap_grammar_fill = setting if overlap is None else overlap
     for i, ids in enumerate(prompts):
         engine.add_request(f"s{i}", ids, SamplingParams(temperature=0.0, max_tokens=lengths[i],
                                                         ignore_eos=not constrained, structured_outputs=so))
-    outs, grammar_s, step_s, steps = {}, 0.0, 0.0, 0
+    outs, steps = {}, 0
+    total = dict.fromkeys(("step", "grammar", "forward", "fill", "apply"), 0.0)
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        t = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                outs[out.request_id] = out
-        step_s += time.perf_counter() - t
-        grammar_s += engine.last_step_phases.get("grammar", 0.0)
-        steps += 1
+    try:
+        while engine.has_unfinished_requests():
+            t = time.perf_counter()
+            for out in engine.step():
+                if out.finished:
+                    outs[out.request_id] = out
+            total["step"] += time.perf_counter() - t
+            for phase in ("grammar", "forward"):
+                total[phase] += engine.last_step_phases.get(phase, 0.0)
+            for part in ("fill", "apply"):
+                total[part] += runner.last_grammar_s[part]
+            steps += 1
+    finally:
+        runner.overlap_grammar_fill = setting
     wall = time.perf_counter() - start
     done = [outs[f"s{i}"] for i in range(len(prompts))]
+    per_step = {f"{k}_ms_per_step": total[k] / steps * 1e3 for k in ("grammar", "forward", "fill", "apply")}
     return {"valid": sum(is_valid(o.outputs[0].text) for o in done) / len(done),
             "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in done) / wall,
             "tpot_s": statistics.median(tpot(o.metrics) for o in done if len(o.outputs[0].token_ids) > 1),
-            "grammar_ms_per_step": grammar_s / steps * 1e3, "grammar_share": grammar_s / step_s,
+            **per_step, "grammar_share": total["grammar"] / total["step"],
             "texts": [o.outputs[0].text for o in done], "lengths": [len(o.outputs[0].token_ids) for o in done]}
 
 
 def structured_main(argv=None) -> int:
-    """A JSON-schema constraint on and off, batch 1 and 16: validity, tokens/s, TPOT, the grammar's share."""
+    """A JSON-schema constraint off and on (the masks filled after the forward, and while it runs), batch 1 and
+    16: validity, tokens/s, TPOT, the fill, the apply and the forward apart, the grammar's share of a step."""
     offline_env()
     parser = bench_parser("structured", structured_main.__doc__)
     parser.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1, 16])
@@ -99,29 +116,30 @@ def structured_main(argv=None) -> int:
     device = torch.device(args.device) if args.device else default_device()
     tok = load_tokenizer(args.model)
     biggest = max(args.batch_sizes)
-    print(f"structured outputs (a JSON schema: name, age, city; compact) off vs on; up to {args.output_tokens} "
-          f"greedy tokens per request; {args.model} float32 on {device} ({torch.get_num_threads()} CPU threads), "
-          f"{args.repeats} repeat(s), on then off (as many tokens per request)", flush=True)
+    print(f"structured outputs (a JSON schema: name, age, city; compact) off vs on, the masks filled after the "
+          f"forward (serial) or while it runs (overlap); up to {args.output_tokens} greedy tokens per request; "
+          f"{args.model} float32 on {device} ({torch.get_num_threads()} CPU threads), {args.repeats} repeat(s), "
+          f"serial, overlap, then off (as many tokens per request)", flush=True)
     llm = LLM(args.model, block_size=args.block_size, num_blocks=biggest * 32, max_num_seqs=biggest,
               max_num_batched_tokens=max(args.max_num_batched_tokens, biggest * 8), device=str(device),
               dtype="float32", seed=args.seed)
     warm_up(llm)
-    print(f"\n{'batch':>5} {'schema':>6} {'valid':>6} {'tok/s':>7} {'TPOT ms':>8} {'grammar ms/step':>15} "
-          f"{'share':>6} {'TPOT on/off':>11}")
+    print(f"\n{'batch':>5} {'schema':>7} {'valid':>6} {'tok/s':>7} {'TPOT ms':>8} {'forward':>8} {'fill':>6} "
+          f"{'apply':>6} {'grammar':>8} {'share':>6} {'TPOT /off':>9}   (ms a step)")
+    keys = ("valid", "tokens_per_s", "tpot_s", "forward_ms_per_step", "fill_ms_per_step", "apply_ms_per_step",
+            "grammar_ms_per_step", "grammar_share")
     for b in args.batch_sizes:
         prompts = structured_prompts(tok, b)
-        runs = {False: [], True: []}
+        runs = {"off": [], "serial": [], "overlap": []}
         for _ in range(args.repeats):
-            runs[True].append(run_structured(llm, prompts, args.output_tokens, True))
-            runs[False].append(run_structured(llm, prompts, runs[True][-1]["lengths"], False))
-        med = {on: {k: statistics.median(r[k] for r in rs) for k in ("valid", "tokens_per_s", "tpot_s",
-                                                                        "grammar_ms_per_step", "grammar_share")}
-               for on, rs in runs.items()}
-        ratio = med[True]["tpot_s"] / med[False]["tpot_s"]
-        for on in (False, True):
-            m = med[on]
-            print(f"{b:5d} {'on' if on else 'off':>6} {m['valid']:6.0%} {m['tokens_per_s']:7.1f} "
-                  f"{m['tpot_s'] * 1e3:8.1f} {m['grammar_ms_per_step']:15.3f} {m['grammar_share']:6.1%} "
-                  f"{f'{ratio:.2f}x' if on else '':>11}", flush=True)
-        print(f"      e.g. {runs[True][0]['texts'][0]}")
+            runs["serial"].append(run_structured(llm, prompts, args.output_tokens, True, overlap=False))
+            runs["overlap"].append(run_structured(llm, prompts, runs["serial"][-1]["lengths"], True, overlap=True))
+            runs["off"].append(run_structured(llm, prompts, runs["serial"][-1]["lengths"], False))
+        med = {name: {k: statistics.median(r[k] for r in rs) for k in keys} for name, rs in runs.items()}
+        for name, m in med.items():
+            ratio = f"{m['tpot_s'] / med['off']['tpot_s']:.2f}x" if name != "off" else ""
+            print(f"{b:5d} {name:>7} {m['valid']:6.0%} {m['tokens_per_s']:7.1f} {m['tpot_s'] * 1e3:8.1f} "
+                  f"{m['forward_ms_per_step']:8.2f} {m['fill_ms_per_step']:6.3f} {m['apply_ms_per_step']:6.3f} "
+                  f"{m['grammar_ms_per_step']:8.3f} {m['grammar_share']:6.1%} {ratio:>9}", flush=True)
+        print(f"      e.g. {runs['overlap'][0]['texts'][0]}")
     return 0

@@ -28,9 +28,10 @@ class TensorParallelRunner(ModelRunner):
     """A ModelRunner whose every step is also run by the worker ranks (rank 0's side)."""
 
     def __init__(self, workers: Workers, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0,
-                 kv_cache_cls=MiniPagedKVCache, sampler=None, grammar_masker_cls=MiniGrammarMasker):
+                 kv_cache_cls=MiniPagedKVCache, sampler=None, grammar_masker_cls=MiniGrammarMasker,
+                 overlap_grammar_fill: bool | None = False):
         super().__init__(model, num_blocks, block_size, num_cpu_blocks, kv_cache_cls, sampler,
-                         grammar_masker_cls=grammar_masker_cls)
+                         grammar_masker_cls=grammar_masker_cls, overlap_grammar_fill=overlap_grammar_fill)
         self.workers = workers
         own = memory_report(self)
         self.rank_memory: list[dict] = workers.guard(lambda: workers.start_pools(num_blocks, num_cpu_blocks, own))

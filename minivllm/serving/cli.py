@@ -132,7 +132,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default = f.default if f.default is not MISSING else None
         doc = FIELD_HELP.get(f.name, f"EngineConfig.{f.name} (see minivllm/config.py)")
         kwargs = {"default": default, "help": doc if "default" in doc else f"{doc} (default: {default})"}
-        if f.type == "bool":
+        if f.type in ("bool", "bool | None"):  # --flag, --no-flag; unset: the default (None: the engine decides)
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs["type"] = TYPES.get(str(f.type), str)
