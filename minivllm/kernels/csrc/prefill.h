@@ -5,7 +5,7 @@
 // consecutive query rows times the query heads that share the KV head). The
 // queries lie across the lanes, transposed once per tile, so the online
 // softmax is lane by lane with no horizontal sum, and both products are small
-// register-blocked outer products (kMR scalars broadcast times kNR vectors):
+// register-blocked outer products (a few scalars broadcast times kNR vectors):
 //   scores  S[j][i] = sum_d K[j][d] * Qt[d][i]   (keys read in place from the paged cache)
 //   output Ot[d][i] = rescale[i] * Ot[d][i] + sum_j V[j][d] * P[j][i]
 // over key tiles of kKeys keys at absolute positions 0, kKeys, 2 kKeys...; the
@@ -18,12 +18,15 @@
 namespace minivllm {
 namespace prefill {
 
-constexpr int kKeys = 64;             // keys per key tile
-constexpr int kMR = 4;                // keys (scores) or head dims (output) per micro-tile
-constexpr int kNR = 3;                // vectors of query lanes per micro-tile
-constexpr int kStep = kNR * kLanes;   // query lanes per micro-tile: 24 with AVX2, 48 with AVX-512
+constexpr int kKeys = 48;             // keys per key tile
+constexpr int kMR = 6;                // keys (scores) or head dims (output) per micro-tile; kKeys is a multiple
+constexpr int kNR = 2;                // vectors of query lanes per micro-tile: 12 sums, and registers for the loads
+constexpr int kStep = kNR * kLanes;   // query lanes per micro-tile: 16 with AVX2, 32 with AVX-512
 constexpr int kVecs = 96;             // query vectors per tile at most (a multiple of kStep)
-static_assert(kVecs % kStep == 0 && kVecs >= kMaxTile, "a tile holds one row of the widest GQA group");
+static_assert(kVecs % kStep == 0 && kVecs >= kMaxTile && kKeys % kMR == 0, "the tiles' shapes");
+
+// x in every lane, broadcast from memory (splat's 0 + x is an addition the compiler must keep, for x = -0)
+inline fvec broadcast(float x) { return x - fvec{}; }
 
 struct PromptTile {
   const float* q;           // the tile's first row, at its KV head's first query head
@@ -42,32 +45,40 @@ struct PromptTile {
   int64_t out_row_stride;
 };
 
-// acc[a][c] += splat(rows[a][d]) * lanes[c] over d: the micro-tile of both products.
-template <int MR>
-inline void outer_products(fvec (&acc)[MR][kNR], const float* const* rows, int64_t offset, const float* lanes,
-                           int64_t lane_stride, int n) {
-  for (int x = 0; x < n; ++x) {
+// S[j0 .. j0 + kMR) for lane vectors f0 .. f0 + kNR: kMR keys' elements broadcast times kNR vectors of Qt, summed
+// over the head dimension in registers.
+inline void score_keys(float* p, const float* qt, const float* const* krow, int j0, int f0, int nvp, int D) {
+  fvec acc[kMR][kNR];
+  for (int a = 0; a < kMR; ++a)
+    for (int c = 0; c < kNR; ++c) acc[a][c] = splat(0.0f);
+  for (int d = 0; d < D; ++d) {
     fvec v[kNR];
-    for (int c = 0; c < kNR; ++c) v[c] = load(lanes + x * lane_stride + c * kLanes);
-    for (int a = 0; a < MR; ++a) {
-      const fvec s = splat(rows[a][offset + x]);
+    for (int c = 0; c < kNR; ++c) v[c] = load(qt + d * nvp + (f0 + c) * kLanes);
+    for (int a = 0; a < kMR; ++a) {
+      const fvec s = broadcast(krow[j0 + a][d]);
       for (int c = 0; c < kNR; ++c) acc[a][c] += s * v[c];
     }
   }
+  for (int a = 0; a < kMR; ++a)
+    for (int c = 0; c < kNR; ++c) store(p + (j0 + a) * nvp + (f0 + c) * kLanes, acc[a][c]);
 }
 
 // Ot[d0 .. d0 + MR) for every lane vector: rescaled, then the tile's values weighted by P added.
 template <int MR>
 inline void weigh_values(float* ot, const float* p, const fvec* rescale, const float* const* vrow, int d0, int nvp,
                          int knp) {
-  const float* cols[MR];
   for (int f0 = 0; f0 < nvp / kLanes; f0 += kNR) {
     fvec acc[MR][kNR];
     for (int a = 0; a < MR; ++a)
       for (int c = 0; c < kNR; ++c) acc[a][c] = load(ot + (d0 + a) * nvp + (f0 + c) * kLanes) * rescale[f0 + c];
     for (int j = 0; j < knp; ++j) {  // key j's values d0 .. d0 + MR, broadcast, times P's row j
-      for (int a = 0; a < MR; ++a) cols[a] = vrow[j] + d0 + a;
-      outer_products<MR>(acc, cols, 0, p + j * nvp + f0 * kLanes, 0, 1);
+      const float* values = vrow[j] + d0;
+      fvec w[kNR];
+      for (int c = 0; c < kNR; ++c) w[c] = load(p + j * nvp + (f0 + c) * kLanes);
+      for (int a = 0; a < MR; ++a) {
+        const fvec s = broadcast(values[a]);
+        for (int c = 0; c < kNR; ++c) acc[a][c] += s * w[c];
+      }
     }
     for (int a = 0; a < MR; ++a)
       for (int c = 0; c < kNR; ++c) store(ot + (d0 + a) * nvp + (f0 + c) * kLanes, acc[a][c]);
@@ -103,16 +114,8 @@ inline void attend_prompt_tile(const PromptTile& t, float* qt, float* ot, float*
       krow[j] = t.k_cache + slot * t.kv_stride;
       vrow[j] = t.v_cache + slot * t.kv_stride;
     }
-    for (int j0 = 0; j0 < knp; j0 += kMR) {  // scores: kMR keys times kNR lane vectors, over the head dimension
-      for (int f0 = 0; f0 < nf; f0 += kNR) {
-        fvec acc[kMR][kNR];
-        for (int a = 0; a < kMR; ++a)
-          for (int c = 0; c < kNR; ++c) acc[a][c] = splat(0.0f);
-        outer_products<kMR>(acc, krow + j0, 0, qt + f0 * kLanes, nvp, D);
-        for (int a = 0; a < kMR; ++a)
-          for (int c = 0; c < kNR; ++c) store(p + (j0 + a) * nvp + (f0 + c) * kLanes, acc[a][c]);
-      }
-    }
+    for (int j0 = 0; j0 < knp; j0 += kMR)  // scores: kMR keys times kNR lane vectors
+      for (int f0 = 0; f0 < nf; f0 += kNR) score_keys(p, qt, krow, j0, f0, nvp, D);
     const bool crosses = k0 + knp - 1 > t.pos0;  // some key of the tile lies past some row's position
     for (int f = 0; f < nf; ++f) {  // the online softmax, lane by lane
       fvec top = splat(-INFINITY);
@@ -137,6 +140,7 @@ inline void attend_prompt_tile(const PromptTile& t, float* qt, float* ot, float*
     }
     int d0 = 0;
     for (; d0 + kMR <= D; d0 += kMR) weigh_values<kMR>(ot, p, rescale, vrow, d0, nvp, knp);
+    for (; d0 + 4 <= D; d0 += 4) weigh_values<4>(ot, p, rescale, vrow, d0, nvp, knp);  // head_dim 64: the last 4
     for (; d0 < D; ++d0) weigh_values<1>(ot, p, rescale, vrow, d0, nvp, knp);
   }
   float sums[kVecs];
