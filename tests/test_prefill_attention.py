@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm import attention
-from minivllm.kernels import reference
+from minivllm.kernels import build, reference
 from minivllm.kernels.cpu import CpuKernels
 from minivllm.tolerances import ATTENTION_ATOL
 
@@ -89,6 +89,21 @@ def test_the_same_bits_for_any_thread_count_and_alone_or_in_a_batch():
         alone = cpu.prefill_attention(q[rows], kc, vc, table[b:b + 1].contiguous(), seq_lens[b:b + 1],
                                       torch.tensor([0, rows.stop - rows.start], dtype=torch.int32), 16)
         assert torch.equal(alone, outs[0][rows])
+
+
+def test_every_vector_width_gives_the_same_bits_and_a_build_without_fma_agrees():
+    """Each lane's sums run in one order whatever the lanes: on an AVX-512 machine an AVX2 build gives the native
+    build's bits; a build for the x86-64 baseline (SSE, no FMA: other roundings) agrees with the reference."""
+    flags = build.cpu_key().split()
+    if build.compiler() is None or not flags or flags[0] != "x86_64":
+        pytest.skip("needs a C++ compiler on x86-64")
+    q, kc, vc, table, lens, starts = ragged_batch([(70, 70), (37, 137), (1, 20)], 9, 3, 64, 16, 5)
+    args = (q, kc, vc, table, lens, starts, 16)
+    plain = CpuKernels(build.load(build.build(quiet=True, isa=("-march=x86-64",))), "cpu (x86-64)")
+    torch.testing.assert_close(plain.prefill_attention(*args), reference.prefill_attention(*args), **TOL)
+    if "avx512f" in flags:
+        avx2 = CpuKernels(build.load(build.build(quiet=True, isa=("-mavx2", "-mfma", "-mf16c"))), "cpu (avx2)")
+        assert torch.equal(avx2.prefill_attention(*args), cpu.prefill_attention(*args))
 
 
 @pytest.mark.parametrize("what,spoil,name", BAD_ATTENTION, ids=[b[0] for b in BAD_ATTENTION])
