@@ -17,9 +17,10 @@ Q4_1_BYTES = 20  # fp16 scale, fp16 minimum, 16 bytes of 4-bit quants
 Q8_0_BYTES = 34  # fp16 scale, 32 int8 quants
 Q8_1_BYTES = 36  # fp16 scale d, fp16 d * sum(quants), 32 int8 quants: llama.cpp's block_q8_1 (8-bit activations)
 
-__all__ = ["write_kv", "paged_attention", "prefill_attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "linear",
+__all__ = ["write_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "linear",
            "q4_1_linear", "q8_0_linear", "q8_0_embedding", "dequantize_q4_1", "dequantize_q8_0", "quantize_q8_1",
-           "q4_1_q8_1_linear", "q8_0_q8_0_linear", "int8_block_sums", "int8_dot_bound", "int8_rounding_bound"]
+           "q4_1_q8_1_linear", "q8_0_q8_0_linear", "int8_block_sums", "int8_dot_bound", "int8_rounding_bound",
+           "prefill_attention"]
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
