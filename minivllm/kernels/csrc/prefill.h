@@ -12,8 +12,10 @@
 // tiles past the tile's last row are never read, and only the tiles that cross
 // a row's position are masked. A query's arithmetic depends on its position and
 // the key tiles, never on which thread or which query tile computes it, nor on
-// the vector width: the same bits for any thread count.
+// the vector width where the CPU has FMA: the same bits for any thread count.
 #pragma once
+#include <algorithm>
+#include <vector>
 
 namespace minivllm {
 namespace prefill {
