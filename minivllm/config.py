@@ -20,7 +20,7 @@ CPU_KV_BUDGET_BYTES = 4 << 30  # on the CPU the memory fraction applies to at mo
 KERNEL_TABLES = ("auto", "reference", "cpu", "triton")  # minivllm.kernels.choose (chapter 18)
 KERNEL_OPS = ("write_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "linear",
               "q4_1_linear", "q8_0_linear", "q8_0_embedding", "quantize_q8_1", "q4_1_q8_1_linear",
-              "q8_0_q8_0_linear")  # what a kernel table holds (minivllm.kernels)
+              "q8_0_q8_0_linear", "prefill_attention")  # what a kernel table holds (minivllm.kernels)
 QUANTIZATIONS = (None, "gguf")  # "gguf": the embedded model's blocks as stored (chapter 18)
 GGUF_ACTIVATIONS = ("int8", "float32")  # what the GGUF's blocks multiply: llama.cpp's 8-bit rows, or float32 ones
 

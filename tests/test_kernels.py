@@ -228,6 +228,7 @@ def _good_args():
         "write_kv": dict(k=r(2, 2, 8), v=r(2, 2, 8), k_cache=torch.zeros(8, 2, 8), v_cache=torch.zeros(8, 2, 8),
                          slot_mapping=torch.tensor([0, 3])),
         "paged_attention": _attention_args(),
+        "prefill_attention": _attention_args(),
         "rms_norm": dict(x=r(2, 8), weight=r(8), eps=1e-5),
         "fused_add_rms_norm": dict(x=r(2, 8), residual=r(2, 8), weight=r(8), eps=1e-5),
         "rotary": dict(q=r(2, 4, 8), k=r(2, 2, 8), positions=torch.tensor([0, 3]), cos=r(4, 4), sin=r(4, 4)),

@@ -3,6 +3,7 @@
 What ``csrc/`` and ``_custom_ops.py`` are to vLLM. The ops: ``write_kv``
 (a step's keys and values into their slots), ``paged_attention`` (every row
 of a step, each to its own length, through the block tables),
+``prefill_attention`` (the same for a step's prompt rows, in tiles),
 ``rms_norm`` and ``fused_add_rms_norm``, ``rotary``, ``silu_and_mul``, and the
 few-rows matrix-vector products ``linear`` (float32), ``q4_1_linear`` and
 ``q8_0_linear`` (the GGUF's blocks as stored) with ``q8_0_embedding``; and

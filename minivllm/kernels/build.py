@@ -158,7 +158,7 @@ def build(inner: Path = INNER, quiet: bool = False, isa: tuple[str, ...] = ("-ma
     if cxx is None:
         raise BuildError("no C++ compiler found (set $CXX, or install g++: apt-get install g++)")
     inner = Path(inner).resolve()
-    sources = [CSRC / "ops.cpp", CSRC / "inner.h", CSRC / "int8_dot.h", CSRC / "split_kv.h", inner]
+    sources = [CSRC / "ops.cpp", CSRC / "inner.h", CSRC / "int8_dot.h", CSRC / "split_kv.h", CSRC / "prefill.h", inner]
     version = [compiler_version(cxx)]
     digest = hashlib.sha256()
     for part in [*(p.read_bytes() for p in sources), str(version).encode(), " ".join(FLAGS + list(isa)).encode(),
@@ -199,6 +199,7 @@ def load(path: Path) -> ctypes.CDLL:
         "mv_paged_attention": [P, P, I64, P, P, P, I64, P, P, I64, I64, I64, I64, I64, I64, I64, F, I],
         "mv_paged_attention_chunked": [P, P, I64, P, P, P, I64, P, P, I64, I64, I64, I64, I64, I64, I64, F, I, I64],
         "mv_split_kv_built": [],
+        "mv_prefill_attention": [P, P, I64, P, P, P, I64, P, P, I64, I64, I64, I64, I64, I64, I64, F, I],
         "mv_rms_norm": [P, P, P, I64, I64, F, I],
         "mv_fused_add_rms_norm": [P, P, P, I64, I64, F, I],
         "mv_rotary": [P, I64, P, I64, P, P, P, I64, I64, I64, I64, I64, I],

@@ -157,6 +157,9 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, name: str = "cpu"):
         self.lib, self.name = lib, name
+        # whether attention.py sends a step's prompt rows to prefill_attention (csrc/prefill.h): minivllm's own
+        # table; a reader's (exercise 18) attends every row with its own inner loops
+        self.tiled_prefill = name == "cpu"
 
     def __repr__(self) -> str:
         return f"CpuKernels({self.name!r})"
@@ -213,6 +216,18 @@ class CpuKernels:
         (one at least as long as the longest row: unsplit). Steps with more than one query a row are not split."""
         _shape(isinstance(chunk_keys, int) and not isinstance(chunk_keys, bool) and chunk_keys >= 0,
                f"chunk_keys must be an int >= 0 (0: the rule's), got {chunk_keys!r}")
+        return self._attention(self.lib.mv_paged_attention_chunked, q, k_cache, v_cache, block_table, seq_lens,
+                               query_start, block_size, chunk_keys)
+
+    @_named
+    def prefill_attention(self, q, k_cache, v_cache, block_table, seq_lens, query_start,
+                          block_size: int) -> torch.Tensor:
+        """:meth:`paged_attention`'s arguments and result, by the tiled prefill kernel (``csrc/prefill.h``): what
+        :func:`minivllm.attention.native_prefill_rows` sends there, a step's prompt rows."""
+        return self._attention(self.lib.mv_prefill_attention, q, k_cache, v_cache, block_table, seq_lens,
+                               query_start, block_size)
+
+    def _attention(self, kernel, q, k_cache, v_cache, block_table, seq_lens, query_start, block_size: int, *extra):
         qp, qs_ = _rows(q, "q")
         kc, vc = _tensor(k_cache, "k_cache", dims=3), _tensor(v_cache, "v_cache", dims=3)
         bt = _tensor(block_table, "block_table", torch.int32, 2)
@@ -229,10 +244,9 @@ class CpuKernels:
                f"must describe the same sequences")
         _shape(isinstance(block_size, int) and block_size >= 1, f"block_size must be a positive int, got {block_size}")
         out = torch.empty(q.shape)
-        self._check(self.lib.mv_paged_attention_chunked(out.data_ptr(), qp, qs_, kc, vc, bt, block_table.shape[1], sl,
-                                                        qs, B, T, H, k_cache.shape[1], D, block_size,
-                                                        k_cache.shape[0] // block_size, 1.0 / math.sqrt(D),
-                                                        torch.get_num_threads(), chunk_keys))
+        self._check(kernel(out.data_ptr(), qp, qs_, kc, vc, bt, block_table.shape[1], sl, qs, B, T, H,
+                           k_cache.shape[1], D, block_size, k_cache.shape[0] // block_size,
+                           1.0 / math.sqrt(D), torch.get_num_threads(), *extra))
         return out
 
     @_named

@@ -19,7 +19,8 @@ Q8_1_BYTES = 36  # fp16 scale d, fp16 d * sum(quants), 32 int8 quants: llama.cpp
 
 __all__ = ["write_kv", "paged_attention", "rms_norm", "fused_add_rms_norm", "rotary", "silu_and_mul", "linear",
            "q4_1_linear", "q8_0_linear", "q8_0_embedding", "dequantize_q4_1", "dequantize_q8_0", "quantize_q8_1",
-           "q4_1_q8_1_linear", "q8_0_q8_0_linear", "int8_block_sums", "int8_dot_bound", "int8_rounding_bound"]
+           "q4_1_q8_1_linear", "q8_0_q8_0_linear", "int8_block_sums", "int8_dot_bound", "int8_rounding_bound",
+           "prefill_attention"]
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -57,6 +58,13 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start, blo
         scores = scores.masked_fill(p[None, None, :] > positions[None, :, None], float("-inf"))
         out[first:last] = (scores.softmax(-1) @ values.float()).transpose(0, 1).to(q.dtype)
     return out
+
+
+def prefill_attention(q, k_cache, v_cache, block_table, seq_lens, query_start, block_size: int) -> torch.Tensor:
+    """A step's prompt rows through the paged cache (chapter 18): :func:`paged_attention` itself, whose rule is
+    every row's. A table may attend many rows of one sequence in tiles (the C++ table's ``prefill_attention``);
+    the result is this one's, to float32 rounding."""
+    return paged_attention(q, k_cache, v_cache, block_table, seq_lens, query_start, block_size)
 
 
 def rms_norm(x, weight, eps: float) -> torch.Tensor:

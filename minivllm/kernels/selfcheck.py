@@ -62,6 +62,10 @@ def cases(device, dtype: torch.dtype) -> dict[str, dict]:
                                               block_table=ints([[3, 1], [0, 2], [1, 0]], torch.int32),
                                               seq_lens=ints([6, 1, 0], torch.int32),
                                               query_start=ints([0, 1, 2, 2], torch.int32), block_size=4),
+        # a 3-token prompt and a 5-token chunk after 2 cached keys, GQA
+        "prefill_attention": dict(q=r(8, H, D), k_cache=r(17, KVH, D), v_cache=r(17, KVH, D),
+                                  block_table=ints([[3, 1], [0, 2]], torch.int32), seq_lens=ints([3, 7], torch.int32),
+                                  query_start=ints([0, 3, 8], torch.int32), block_size=4),
         "rms_norm": dict(x=r(3, 32), weight=r(32), eps=1e-5),
         "fused_add_rms_norm": dict(x=r(3, 32), residual=r(3, 32), weight=r(32), eps=1e-5),
         "rotary": dict(q=r(3, H, D), k=r(3, KVH, D), positions=ints([0, 5, 2], torch.int64), cos=r(8, D // 2),

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from minivllm.kernels.reference import (  # noqa: F401  (the table's other ops: PyTorch on the GPU)
-    dequantize_q4_1, dequantize_q8_0, fused_add_rms_norm, linear, q4_1_linear, q4_1_q8_1_linear, q8_0_embedding,
-    q8_0_linear, q8_0_q8_0_linear, quantize_q8_1, rms_norm, rotary, silu_and_mul)
+    dequantize_q4_1, dequantize_q8_0, fused_add_rms_norm, linear, prefill_attention, q4_1_linear, q4_1_q8_1_linear,
+    q8_0_embedding, q8_0_linear, q8_0_q8_0_linear, quantize_q8_1, rms_norm, rotary, silu_and_mul)
 
 TILE = 16  # keys per step of a program's loop
 BLOCK_M = 16  # query rows of a tile (vLLM's 16): tokens times the query heads of one KV head
