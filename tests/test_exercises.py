@@ -257,6 +257,29 @@ def test_chapters_point_to_the_exercise_before_showing_its_answer(path):
             assert {"hide-cell", "hide-output"} & tags, f"{chapter.name} cell {i}: fold its output (the source) too"
 
 
+TRIO_AFTER_SETUP = """
+import json, warnings
+from IPython.core.interactiveshell import InteractiveShell
+InteractiveShell.instance()
+from minivllm.exercises.notebook import set_up_exercise
+assert set_up_exercise()
+with warnings.catch_warnings(record=True) as caught:
+    import trio  # as httpx's httpcore does, in every exercise's first check cell
+    warnings.warn("a real warning", RuntimeWarning)
+print(json.dumps([str(w.message) for w in caught]))
+"""
+
+
+def test_an_exercise_kernel_imports_trio_without_a_warning_on_stderr_and_still_shows_others():
+    """Every exercise page showed trio's RuntimeWarning (a custom exception handler installed: set_up_exercise's)
+    as stderr in its first check cell, and the book build warned once per exercise: only that message is silenced."""
+    pytest.importorskip("trio")
+    pytest.importorskip("IPython")
+    out = subprocess.run([sys.executable, "-c", TRIO_AFTER_SETUP], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.splitlines()[-1]) == ["a real warning"], out.stdout
+
+
 def test_an_exercise_kernel_shows_an_unwritten_part_in_one_line_and_never_writes_a_stub_over_a_part(tmp_path):
     """In a kernel set up as an exercise's setup cell does (set_up_exercise): a stub's NotImplementedError is one
     error line with its message (what a rendered page shows, what nbval and exercises/conftest.py read), other
