@@ -174,8 +174,8 @@ def test_disaggregated_server_survives_stopped_and_killed_workers(no_leftovers):
     rng = random.Random(27)
     server = ServerProcess.minivllm("--model", "tiny-random", "--disaggregated", "--num-blocks", "256",
                                     "--kv-transfer-timeout", "3", "--shutdown-grace", "2")
-    faults = [("mvllm-decode", signal.SIGSTOP), ("mvllm-prefill", signal.SIGKILL),
-              ("mvllm-prefill", signal.SIGSTOP), ("mvllm-decode", signal.SIGKILL)]
+    # each worker stopped and each killed once (the decode worker's kill is in_flight_when's, below)
+    faults = [("mvllm-decode", signal.SIGSTOP), ("mvllm-prefill", signal.SIGKILL), ("mvllm-prefill", signal.SIGSTOP)]
     recoveries = []
     with server:
         ends = in_flight_when(server, lambda: os.kill(worker(server, "mvllm-decode"), signal.SIGKILL))
@@ -190,11 +190,11 @@ def test_disaggregated_server_survives_stopped_and_killed_workers(no_leftovers):
             assert r.status_code == 400 and "n" in r.json()["error"]["message"], r.text
         load = Load(server)
         for name, sig in faults:
-            time.sleep(rng.uniform(0.5, 3.0))  # a random point in the stream of requests
+            time.sleep(rng.uniform(0.2, 1.0))  # a random point in the stream of requests
             pid = worker(server, name)
             os.kill(pid, sig)
             if sig == signal.SIGSTOP:
-                time.sleep(6)  # past the 3 s link timeout: the front must not wait for it
+                time.sleep(4)  # past the 3 s link timeout (under the 8 s stall limit): the front must not wait for it
                 try:
                     os.kill(pid, signal.SIGCONT)  # it may already be gone (the front restarts a stalled worker)
                 except ProcessLookupError:

@@ -16,12 +16,15 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 from minivllm.config import NOT_WRITTEN
 from minivllm.exercises._common import wrap
 
 __all__ = ["set_up_exercise", "one_line_for_unwritten_parts", "unwritten_part_message", "keep_written_parts",
            "stubs_in"]
+
+TRIO_SKIPS_ITS_HANDLER = "IPython detected, but you already have a custom exception handler installed"
 
 
 def _shell():
@@ -74,6 +77,10 @@ def one_line_for_unwritten_parts() -> bool:
     if shell is None:
         return False
     shell.set_custom_exc((Exception,), _show)
+    # trio (imported by httpcore, under httpx, where it is installed) warns on stderr, on every exercise page, that a
+    # custom handler is installed and skips its own (for its old MultiError; IPython shows exception groups itself):
+    # that one message is silenced, every other warning still shows
+    warnings.filterwarnings("ignore", message=TRIO_SKIPS_ITS_HANDLER, category=RuntimeWarning)
     return True
 
 
