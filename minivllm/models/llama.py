@@ -177,7 +177,7 @@ class Backbone(nn.Module):
 class LlamaForCausalLM(WeightLayouts, nn.Module):
     """Llama / Qwen2 / Qwen3 causal LM with HF parameter names, so HF state dicts load as they are."""
 
-    plain_max_rows = 0  # set by pack_weights: up to this many rows, the packed matmuls use the row-major weights
+    plain_max_rows = 0  # set by pack_weights (plain_rows_rule): up to this many rows, the row-major weights
     kernels = "reference"  # the kernel table the model runs (use_kernels): "reference", "cpu" or "triton"
     ops = reference
     quantization: str | None = None  # "gguf" once use_gguf_weights gave the linears the file's blocks
@@ -214,6 +214,8 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
         for m in self.packed_matmuls():
             if isinstance(m, FusedMatmul):
                 m.stack_quantized()
+        self.use_native_linear(ops)
+
     def rope(self, positions: torch.Tensor, dtype):
         """cos and sin ``[T, head_dim]`` of the rotary angles at ``positions`` (chapter 00: what ``rotary`` applies,
         ``q * cos + rotate_half(q) * sin``)."""
