@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.attention import PAGED_KERNEL, MiniPagedKVCache
 from minivllm.kernels.cpu import MAX_ROWS, CpuKernels
 
 PLAIN_MATMUL_MAX_ROWS = 3
@@ -183,7 +184,7 @@ class WeightLayouts:
         for m in self.packed_matmuls():
             if isinstance(m, FusedMatmul):
                 m.stack_quantized()
-        self.quantization, self.gguf_activations = "gguf", activations
+        self.quantization, self.gguf_activations, self._decode_step = "gguf", activations, None
 
     @torch.no_grad()
     def pack_weights(self, enabled: bool = True) -> bool:
@@ -205,6 +206,7 @@ class WeightLayouts:
                 layer.self_attn.fused_qkv = layer.mlp.fused_gate_up = None
 
         clear()
+        self._decode_step = None
         w = self.lm_head.weight
         if (not enabled or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16)
                 or not torch.backends.mkldnn.is_available()
@@ -234,15 +236,86 @@ class WeightLayouts:
         native = ops.linear if isinstance(ops, CpuKernels) else None
         for m in self.linears() + self.packed_matmuls():
             m.native_linear = native
+        self._decode_step = None
         if self.lm_head.packed is not None:
             self.set_plain_rows(self.plain_rows_rule())
+
+    _decode_step = None  # the fused decode step's plan (decode_step_plan): built at first use, None after a change
+
+    def decode_step_plan(self):
+        """The model's layers as :class:`~minivllm.kernels.fused.DecodeStep` (its weights' addresses, once per
+        model), or False where the step cannot run fused: not the C++ table, a layer's matmul that the rule sends
+        elsewhere for a few rows (not the row-major or GGUF weights), Qwen3's q/k norms, tensor parallel shards."""
+        if self._decode_step is None:
+            self._decode_step = self._build_decode_step() or False
+        return self._decode_step
+
+    def fused_decode(self, x, positions, kv, batch):
+        """The final hidden states of a few-row decode step through ONE native call for every layer
+        (:class:`~minivllm.kernels.fused.DecodeStep`, chapter 18), or None where this step takes the op-by-op path:
+        a prefill or mixed step, more rows than the rule's row-major or GGUF matmuls take, a model without a plan
+        (:meth:`decode_step_plan`), or a KV cache that is not minivllm's own paged one on this table (or has
+        ``fused_decode`` off: ``EngineConfig.fused_decode``). ``x`` is the embedded tokens (overwritten)."""
+        if batch is None or not self.fused_decode_path(kv) or getattr(batch, "max_q", 0) != 1:
+            return None
+        plan = self.decode_step_plan()
+        if not 1 <= x.shape[0] <= plan.max_rows or batch.context_lens.shape[0] != x.shape[0]:
+            return None
+        return plan(x, positions, batch.slot_mapping, batch.block_table, batch.context_lens, batch.cu_seq_q,
+                    kv.k_slots, kv.v_slots, kv.block_size)
+
+    def fused_decode_path(self, kv) -> bool:
+        """Whether few-row decode steps through ``kv`` run every layer in one native call (``stats().decode_path``
+        "fused-step"): the model has a plan, ``kv`` is :class:`~minivllm.attention.MiniPagedKVCache` attending with
+        this model's table and its ``fused_decode`` is on."""
+        return (getattr(kv, "fused_decode", False) and type(kv).forward is MiniPagedKVCache.forward
+                and getattr(kv, "attention_kernel", None) == PAGED_KERNEL and kv.ops is self.ops
+                and bool(self.decode_step_plan()))
+
+    def _build_decode_step(self):
+        from minivllm.kernels.fused import DecodeStep
+
+        layers = self.model.layers
+        if (not isinstance(self.ops, CpuKernels) or not getattr(self, "fused_decode_supported", False)
+                or self.lm_head.weight.dtype != torch.float32):
+            return None
+        norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if any(n.eps != self.model.norm.eps for n in norms) or layers[0].self_attn.q_norm is not None:
+            return None
+        described, limits = [], []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            mats = {"qkv": attn.fused_qkv, "o": attn.o_proj, "gate_up": mlp.fused_gate_up, "down": mlp.down_proj}
+            entry = {"input_norm": layer.input_layernorm.weight.detach(),
+                     "post_norm": layer.post_attention_layernorm.weight.detach()}
+            for name, m in mats.items():
+                if m is None:
+                    return None
+                bias = None if m.bias is None else m.bias.detach()
+                in_features = m.weight.shape[1]
+                if m.qweight is not None:
+                    entry[name] = (m.quantized_linear.__name__, m.qweight, bias)
+                    limits.append(QUANTIZED_MAX_ROWS)
+                elif m.native_linear is not None and in_features % NATIVE_LANES == 0:
+                    entry[name] = ("linear", m.weight.detach(), bias)
+                    limits.append(m.plain_max_rows if m.packed is not None else NATIVE_MATMUL_MAX_ROWS)
+                else:
+                    return None
+            described.append(entry)
+        max_rows = min(limits + [NATIVE_MATMUL_MAX_ROWS])
+        if max_rows < 1:
+            return None
+        attn, rotary = layers[0].self_attn, self.model.rotary
+        return DecodeStep(self.ops, described, self.model.norm.weight.detach(), rotary.cos, rotary.sin,
+                          self.model.norm.eps, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                          self.config.intermediate_size, max_rows)
 
     def set_plain_rows(self, rows: int) -> None:
         """Multiply up to ``rows`` rows through the row-major weights, more through oneDNN's packed ones (chapter 12):
         the rule is :meth:`plain_rows_rule`; pin another split here (tests run every one)."""
         if isinstance(rows, bool) or not isinstance(rows, int) or not 0 <= rows <= NATIVE_MATMUL_MAX_ROWS:
             raise ValueError(f"rows must be in 0..{NATIVE_MATMUL_MAX_ROWS}, got {rows!r}")
-        self.plain_max_rows = rows
+        self.plain_max_rows, self._decode_step = rows, None
         for m in self.packed_matmuls():
             m.plain_max_rows = rows
 

@@ -182,6 +182,7 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
     ops = reference
     quantization: str | None = None  # "gguf" once use_gguf_weights gave the linears the file's blocks
     gguf_activations: str | None = None  # then what they multiply: "int8" (llama.cpp's arithmetic) or "float32"
+    fused_decode_supported = True  # a few-row decode step may run its layers in one native call (tensor parallel: no)
 
     def __init__(self, config):
         super().__init__()
@@ -234,6 +235,9 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
         attention metadata for the paged cache (a ``PagedBatch``).
         """
         x, residual = self.model.embed_tokens(input_ids), None
+        hidden = self.fused_decode(x, positions, kv, batch)  # few decode rows, C++ table: one native call (ch. 18)
+        if hidden is not None:
+            return hidden
         for layer in self.model.layers:
             x, residual = layer(x, residual, positions, kv, batch)
         return self.model.norm(x, residual)[0]
