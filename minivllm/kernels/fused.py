@@ -22,7 +22,7 @@ import ctypes
 
 import torch
 
-from minivllm.kernels.cpu import MAX_ROWS, CpuKernels, _named, _shape, _tensor
+from minivllm.kernels.cpu import MAX_ROWS, CpuKernels, _count, _named, _shape, _tensor
 from minivllm.kernels.reference import Q4_1_BYTES, Q8_0_BYTES, QBLOCK
 
 KINDS = {"linear": 0, "q4_1_linear": 1, "q8_0_linear": 2, "q4_1_q8_1_linear": 3, "q8_0_q8_0_linear": 4}
@@ -83,8 +83,10 @@ class DecodeStep:
         _shape(isinstance(ops, CpuKernels), f"ops must be a C++ kernel table (CpuKernels), got {ops!r}")
         _shape(len(layers) >= 1, "layers must hold at least one layer")
         _shape(isinstance(max_rows, int) and 1 <= max_rows <= MAX_ROWS, f"max_rows must be in 1..{MAX_ROWS}")
-        hidden = final_norm.shape[0] if isinstance(final_norm, torch.Tensor) else 0
+        heads, kv_heads, head_dim, intermediate = (_count(n, name) for n, name in (
+            (heads, "heads"), (kv_heads, "kv_heads"), (head_dim, "head_dim"), (intermediate, "intermediate")))
         _tensor(final_norm, "final_norm", dims=1)
+        hidden = final_norm.shape[0]
         cp, sp = _tensor(cos, "cos", dims=2), _tensor(sin, "sin", dims=2)
         _shape(cos.shape == sin.shape and 2 * cos.shape[1] == head_dim,
                f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [max_position, {head_dim // 2}]")
