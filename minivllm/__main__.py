@@ -166,6 +166,8 @@ def _engine_options(args, device) -> dict:
         opts["tensor_parallel_size"] = args.tensor_parallel_size
     if args.kv_offload_blocks:
         opts["kv_offload_blocks"] = args.kv_offload_blocks
+    if args.no_fused_decode:
+        opts["fused_decode"] = False
     return opts | kernel_options(args)
 
 
@@ -185,7 +187,7 @@ def _print_report(args, workload, results, slo, limits, bound) -> None:
     print(f"KV pool: {ours.steps[0].total_blocks} blocks of {args.block_size}; in use mean {sum(used) / len(used):.0%}, "
           f"peak {max(used):.0%}; slots in partly filled blocks {100 * sum(waste) / max(1, len(waste)):.1f}% of used; "
           f"preemptions {ours.stats.num_preemptions}; {len(ours.steps)} steps")
-    print(f"attention: {ours.stats.attention_kernel}; kernels: {ours.stats.kernels}"
+    print(f"attention: {ours.stats.attention_kernel}; kernels: {ours.stats.kernels}; decode: {ours.stats.decode_path}"
           + (f"; weights: {ours.stats.quantization} ({ours.stats.gguf_dot})" if ours.stats.quantization else ""))
     if limits:
         print(f"machine: {limits}")
@@ -477,6 +479,9 @@ def main(argv=None) -> int:
     b.add_argument("--tensor-parallel-size", type=positive_int, default=1,
                    help="run minivllm over this many worker processes (chapter 15; default: 1)")
     add_kernel_flags(b)
+    b.add_argument("--no-fused-decode", action="store_true",
+                   help="call every op of a few-row decode step from Python (EngineConfig.fused_decode=False; "
+                        "default: the C++ table runs the step's layers in one native call, chapter 18)")
     b.add_argument("--slo-ttft", type=positive_finite_float, default=None, metavar="MS",
                    help="goodput: TTFT limit in ms")
     b.add_argument("--slo-tpot", type=positive_finite_float, default=None, metavar="MS",
@@ -520,8 +525,9 @@ def main(argv=None) -> int:
             b.error("argument --workload: memory-pressure squeezes the engine's own KV pool; a server has its own")
         if args.dtype != "float32":
             b.error("argument --dtype: not with --server (the server's own --dtype sets it)")
-        if kernel_options(args):
-            b.error("argument --kernels/--quantization: not with --server (the server's engine is its own)")
+        if kernel_options(args) or args.no_fused_decode:
+            b.error("argument --kernels/--quantization/--no-fused-decode: not with --server (the server's engine is "
+                    "its own)")
     elif args.quantization and args.tensor_parallel_size > 1:
         b.error("argument --quantization: not with --tensor-parallel-size > 1 (the workers read float32 shards)")
     elif args.max_num_seqs:

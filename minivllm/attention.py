@@ -536,6 +536,8 @@ class PagedKVCache:
         self.attention_kernel = attention_kernel or (PAGED_KERNEL if self.ops is not None else
                                                      choose_attention_kernel(device, dtype, num_queries_per_kv))
         self.num_queries_per_kv = num_queries_per_kv
+        self.fused_decode = True  # a model on the C++ table may run a few-row decode step's layers in one call that
+        # writes these pools (chapter 18; EngineConfig.fused_decode): only through MiniPagedKVCache's own forward
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int, num_cpu_blocks: int = 0, num_offload_blocks: int = 0):

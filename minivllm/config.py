@@ -207,6 +207,13 @@ class EngineConfig:
     rows as they are: each weight is converted to the float32 value of the
     checkpoint, so the greedy tokens are the float32 engine's (chapter 18).
 
+    ``fused_decode`` (on by default) runs a few-row decode step's decoder
+    layers in one native call on the C++ table (chapter 18: the same kernels,
+    so the same bits, without a Python call an op); off, every op is called
+    from Python. ``stats().decode_path`` says which: "fused-step" or
+    "op-by-op" (always so on the reference, on CUDA and with tensor parallel
+    workers).
+
     ``dtype="auto"`` is float32 on the CPU and bfloat16 on CUDA (float16 on a
     GPU without bf16, such as a T4); an explicit dtype is kept. On CUDA,
     decode-only steps replay CUDA graphs (chapter 12) unless ``enforce_eager``.
@@ -264,6 +271,7 @@ class EngineConfig:
     kernels: object = "auto"  # a table's name (KERNEL_TABLES), or a kernel table (is_kernel_table; chapter 18)
     quantization: str | None = None
     gguf_activations: str = "int8"  # with quantization="gguf": "int8" (llama.cpp's arithmetic) or "float32" (exact)
+    fused_decode: bool = True  # a few-row decode step's layers in one native call (C++ table; stats().decode_path)
     disaggregated: bool = False
     kv_transfer_timeout: float = 30.0
     speculative_config: SpeculativeConfig | dict | None = None
@@ -309,6 +317,7 @@ class EngineConfig:
         check(is_int(self.seed) and 0 <= self.seed < 2**63, "seed", "an integer in [0, 2**63 - 1]", self.seed)
         check(isinstance(self.pack_weights, bool), "pack_weights", "True or False", self.pack_weights)
         check(isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager)
+        check(isinstance(self.fused_decode, bool), "fused_decode", "True or False", self.fused_decode)
         self._check_kernels()
         check(is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1, "tensor_parallel_size",
               "an integer >= 1", self.tensor_parallel_size)

@@ -138,6 +138,7 @@ class LLMEngine:
             self.runner = TensorParallelRunner(self.workers, *args,
                                                grammar_masker_cls=resolve(config.grammar_masker_cls),
                                                overlap_grammar_fill=config.overlap_grammar_fill)
+        self.runner.kv_cache.fused_decode = config.fused_decode  # few-row decode steps in one native call (ch. 18)
         if config.use_cuda_graphs and self.workers is None:  # decode steps replay CUDA graphs (chapter 12)
             self.runner.enable_decode_graphs(config.max_num_seqs, self.max_model_len, capture=True)
 
@@ -569,7 +570,15 @@ class LLMEngine:
                 kernels=getattr(self.model, "kernels", "reference"),
                 quantization=getattr(self.model, "quantization", None),
                 gguf_dot=getattr(self.model, "gguf_dot", None),
+                decode_path=self._decode_path(),
             )
+
+    def _decode_path(self) -> str:
+        """How a few-row decode step runs (chapter 18): "fused-step" (every layer in one native call) or
+        "op-by-op"."""
+        fused = getattr(self.model, "fused_decode_path", None)
+        return "fused-step" if self.workers is None and fused is not None and fused(self.runner.kv_cache) \
+            else "op-by-op"
 
     def _spec_stats(self) -> dict:
         """Speculative decoding's counters (chapter 17; vLLM's spec_decode_* names)."""

@@ -74,6 +74,8 @@ class EngineStats:
     quantization: str | None = None  # "gguf": decode rows read the GGUF's blocks as stored (chapter 18)
     gguf_dot: str | None = None  # and how they meet them (EngineConfig.gguf_activations): "q8_1 avx2-maddubs" (8-bit
     # activations in integer dot products, the instructions the CPU's features chose at build), ..., or "float32"
+    decode_path: str = "op-by-op"  # a few-row decode step (chapter 18): "fused-step" (every layer in one native call,
+    # EngineConfig.fused_decode) or "op-by-op" (each op called from Python)
     cuda_graph_sizes: tuple = ()  # decode batch sizes captured as CUDA graphs (empty: eager, always on the CPU)
     # Speculative decoding (chapter 17), vLLM's counters: decode rows verified with drafts, draft tokens, accepted
     # ones (in all and per draft position); every decode row, and the tokens those rows emitted (accepted + bonus)

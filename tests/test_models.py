@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 
+from minivllm import kernels as minivllm_kernels
 from minivllm import load_model
 from minivllm.attention import ContiguousKVCache
 from minivllm.models import load_config, load_tokenizer, model_folder
@@ -71,27 +72,32 @@ def test_packing_fuses_the_projections_that_share_an_input():
             assert torch.allclose(out, linear(x, m.weight), atol=1e-4)
 
 
-@pytest.mark.parametrize("plain_max_rows", [3, 1, 0])
-def test_a_packed_model_multiplies_up_to_plain_max_rows_through_the_row_major_weights(plain_max_rows):
-    """Matrix-vector products (at most the model's plain_max_rows rows) run F.linear on the row-major weights;
+@pytest.mark.parametrize("kernels", ["cpu", "reference"])
+@pytest.mark.parametrize("plain_max_rows", ["rule", 3, 1, 0])
+def test_a_packed_model_multiplies_up_to_plain_max_rows_through_the_row_major_weights(plain_max_rows, kernels):
+    """Matrix-vector products (at most the model's plain_max_rows rows) run on the row-major weights: the C++
+    table's linear (up to eight rows: the rule there) or F.linear (up to three: the rule on PyTorch's kernels);
     more rows run oneDNN's packed copy: bitwise what each kernel gives, and each other's to float32 rounding."""
-    from minivllm.models.linear import PLAIN_MATMUL_MAX_ROWS
+    from minivllm.models.linear import NATIVE_MATMUL_MAX_ROWS, PLAIN_MATMUL_MAX_ROWS
 
-    packed, _ = load_model("smollm2-135m", "cpu", pack_weights=True)
+    if kernels == "cpu" and minivllm_kernels.cpu_table() is None:
+        pytest.skip("no C++ kernels here")
+    packed, _ = load_model("smollm2-135m", "cpu", pack_weights=True, kernels=kernels)
     if packed.lm_head.packed is None:
         pytest.skip("oneDNN weight packing is not available here")
-    assert packed.plain_max_rows == PLAIN_MATMUL_MAX_ROWS == 3  # the rule, the same on every machine
-    measured = packed.plain_max_rows
+    rule = {"cpu": NATIVE_MATMUL_MAX_ROWS, "reference": PLAIN_MATMUL_MAX_ROWS}[kernels]
+    assert packed.plain_max_rows == rule == {"cpu": 8, "reference": 3}[kernels]  # the rule: rows and the table
+    plain_max_rows = rule if plain_max_rows == "rule" else plain_max_rows
     linear, onednn = torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise
+    row_major = minivllm_kernels.cpu_table().linear if kernels == "cpu" else linear
     attn, mlp = packed.model.layers[2].self_attn, packed.model.layers[2].mlp
     stacked = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
     assert torch.equal(attn.fused_qkv.weight, stacked)  # the fused matmul keeps the stacked row-major weight too
     matmuls = packed.packed_matmuls()
-    assert len(matmuls) == 4 * len(packed.model.layers) + 1 and all(m.plain_max_rows == measured for m in matmuls)
+    assert len(matmuls) == 4 * len(packed.model.layers) + 1 and all(m.plain_max_rows == rule for m in matmuls)
     try:
-        for m in matmuls:
-            m.plain_max_rows = plain_max_rows
-        for rows in (1, 2, 3, 4, 9):
+        packed.set_plain_rows(plain_max_rows)
+        for rows in (1, 2, 3, 4, 8, 9):
             x = torch.randn(rows, attn.q_proj.in_features)
             h = torch.randn(rows, mlp.down_proj.in_features)
             plain = rows <= plain_max_rows
@@ -99,17 +105,16 @@ def test_a_packed_model_multiplies_up_to_plain_max_rows_through_the_row_major_we
                      attn.o_proj.packed, x), (mlp.down_proj(h), mlp.down_proj.weight, mlp.down_proj.packed, h),
                      (packed.lm_head(x), packed.lm_head.weight, packed.lm_head.packed, x)]
             for out, weight, packed_weight, inp in cases:
-                want = linear(inp, weight) if plain else onednn(inp, packed_weight, None, "none", [], "")
-                assert torch.equal(out, want), f"{rows} rows should run {'F.linear' if plain else 'the packed weight'}"
+                want = row_major(inp, weight) if plain else onednn(inp, packed_weight, None, "none", [], "")
+                assert torch.equal(out, want), f"{rows} rows should run {'row-major' if plain else 'packed'}"
                 assert torch.allclose(out, linear(inp, weight), atol=1e-4)
     finally:
-        for m in matmuls:
-            m.plain_max_rows = measured
+        packed.set_plain_rows(rule)
 
 
 def test_the_layout_is_a_rule_never_timed(monkeypatch):
     """Which kernel multiplies a row decides its rounding, so no load times one against another (issue 61): with
-    every clock of the process frozen, packing keeps the plain layout for PLAIN_MATMUL_MAX_ROWS rows, as always;
+    every clock of the process frozen, packing keeps the plain layout for the rule's rows, as always;
     set_plain_rows pins another split, within its range."""
     import time as time_module
 
@@ -124,14 +129,16 @@ def test_the_layout_is_a_rule_never_timed(monkeypatch):
     for name in ("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns"):
         monkeypatch.setattr(time_module, name, frozen)
     try:  # the model is load_model's shared one: put it back as it was
-        assert model.pack_weights() and model.plain_max_rows == linear.PLAIN_MATMUL_MAX_ROWS
-        assert all(m.plain_max_rows == linear.PLAIN_MATMUL_MAX_ROWS for m in model.packed_matmuls())
+        rule = model.plain_rows_rule()
+        assert rule == (linear.NATIVE_MATMUL_MAX_ROWS if model.kernels == "cpu" else linear.PLAIN_MATMUL_MAX_ROWS)
+        assert model.pack_weights() and model.plain_max_rows == rule
+        assert all(m.plain_max_rows == rule for m in model.packed_matmuls())
         model.set_plain_rows(0)
         assert all(m.plain_max_rows == 0 for m in model.packed_matmuls())
-        with pytest.raises(ValueError, match="rows must be in 0..3"):
-            model.set_plain_rows(4)
+        with pytest.raises(ValueError, match="rows must be in 0..8"):
+            model.set_plain_rows(9)
     finally:
-        model.set_plain_rows(linear.PLAIN_MATMUL_MAX_ROWS)
+        model.set_plain_rows(model.plain_rows_rule())
 
 
 def test_matmul_layouts_times_both_layouts_over_every_layer():

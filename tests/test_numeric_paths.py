@@ -2,8 +2,9 @@
 
 Which kernel multiplies a row follows a rule (chapters 12, 18), and a user
 can pin another: the kernel table (the C++ kernels, or PyTorch's reference),
-the row-major weights for up to three rows (the rule) or oneDNN's packed ones
-for every row count (``set_plain_rows(0)``), and the GGUF's blocks for decode
+the row-major weights for up to eight rows on the C++ table, three on the
+reference (the rule), or oneDNN's packed ones for every row count
+(``set_plain_rows(0)``), and the GGUF's blocks for decode
 rows (``quantization="gguf"`` with float32 activations: the 8-bit ones are not
 exact, tests/test_int8_activations.py). Chunked against whole prefill (chapter 02),
 paged against the full forward (05), a shared prefix's keys (08), a verified
@@ -28,16 +29,15 @@ from minivllm import LLM, SamplingParams, kernels
 from minivllm.attention import ContiguousKVCache, MiniPagedKVCache, PagedBatch
 from minivllm.bench.speculative import SPEC, speculative_prompts
 from minivllm.models import load_model
-from minivllm.models.linear import PLAIN_MATMUL_MAX_ROWS
+from minivllm.models.linear import NATIVE_MATMUL_MAX_ROWS, PLAIN_MATMUL_MAX_ROWS
 from minivllm.simple_generation import chat_prompt_ids, generate_cached, prefill_chunked
 from minivllm.tolerances import MODEL_ATOL, top2_margin
 
-PATHS = {  # name: load_model's options, and the plain rows the path pins
-    "cpu kernels": ({"kernels": "cpu"}, PLAIN_MATMUL_MAX_ROWS),
+PATHS = {  # name: load_model's options, and the plain rows the path pins (None: the rule, plain_rows_rule)
+    "cpu kernels": ({"kernels": "cpu"}, None),
     "cpu kernels, packed every row": ({"kernels": "cpu"}, 0),
-    "reference kernels": ({"kernels": "reference"}, PLAIN_MATMUL_MAX_ROWS),
-    "gguf weights": ({"kernels": "cpu", "quantization": "gguf", "gguf_activations": "float32"},
-                     PLAIN_MATMUL_MAX_ROWS),
+    "reference kernels": ({"kernels": "reference"}, None),
+    "gguf weights": ({"kernels": "cpu", "quantization": "gguf", "gguf_activations": "float32"}, None),
 }
 
 
@@ -50,11 +50,11 @@ def numeric_path(name):
     model, tok = load_model("smollm2-135m", "cpu", **options)
     if model.lm_head.packed is None:
         pytest.skip("oneDNN weight packing is not available here")
-    model.set_plain_rows(plain_rows)
+    model.set_plain_rows(model.plain_rows_rule() if plain_rows is None else plain_rows)
     try:
         yield model, tok, options
     finally:
-        model.set_plain_rows(PLAIN_MATMUL_MAX_ROWS)
+        model.set_plain_rows(model.plain_rows_rule())
 
 
 def assert_same_within_rounding(got, want, what):
@@ -162,7 +162,8 @@ with torch.inference_mode():
     cache = ContiguousKVCache.for_model(model, len(ids) + 3)
     rows = [model.logits(ids[:-3], kv=cache)]  # a prefill, then decodes of one row: every row count's kernel
     rows += [model.logits([t], torch.tensor([len(ids) - 3 + i]), cache) for i, t in enumerate(ids[-3:])]
-print(hashlib.sha256(b"".join(r.float().numpy().tobytes() for r in rows)).hexdigest(), model.plain_max_rows)
+print(hashlib.sha256(b"".join(r.float().numpy().tobytes() for r in rows)).hexdigest(), model.plain_max_rows,
+      model.kernels)
 """
 
 
@@ -188,4 +189,5 @@ def test_three_fresh_loads_give_bit_identical_logits_one_beside_a_busy_process()
             p.kill()
             p.wait()
     assert hashes[0] == hashes[1] == hashes[2], hashes
-    assert hashes[0][1] == str(PLAIN_MATMUL_MAX_ROWS)  # the rule, in every process
+    rule = {"cpu": NATIVE_MATMUL_MAX_ROWS, "reference": PLAIN_MATMUL_MAX_ROWS}[hashes[0][2]]
+    assert hashes[0][1] == str(rule)  # the rule, in every process

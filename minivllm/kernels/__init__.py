@@ -17,7 +17,9 @@ the oracle, and the fallback), :mod:`~minivllm.kernels.cpu` (C++ for the
 CPU, float32, built once per machine at first use) and, on CUDA,
 :mod:`~minivllm.kernels.triton_ops` (the attention ops in Triton). Which
 table a model runs is a rule (:func:`choose`), reported in ``stats().kernels``,
-and ``kernels="reference"`` pins the PyTorch one.
+and ``kernels="reference"`` pins the PyTorch one. On the C++ table a decode
+step of one to eight rows runs every layer in one native call
+(:mod:`~minivllm.kernels.fused`: the same kernels, the same bits).
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ def build(inner: Path = INNER, quiet: bool = False, isa: tuple[str, ...] = ("-ma
     if cxx is None:
         raise BuildError("no C++ compiler found (set $CXX, or install g++: apt-get install g++)")
     inner = Path(inner).resolve()
-    sources = [CSRC / "ops.cpp", CSRC / "inner.h", CSRC / "int8_dot.h", CSRC / "split_kv.h", CSRC / "prefill.h", inner]
+    sources = [CSRC / "ops.cpp", CSRC / "inner.h", CSRC / "int8_dot.h", CSRC / "split_kv.h", CSRC / "prefill.h",
+               CSRC / "layer.h", inner]
     version = [compiler_version(cxx)]
     digest = hashlib.sha256()
     for part in [*(p.read_bytes() for p in sources), str(version).encode(), " ".join(FLAGS + list(isa)).encode(),
@@ -211,6 +212,7 @@ def load(path: Path) -> ctypes.CDLL:
         "mv_quantize_q8_1": [P, P, I64, I64],
         "mv_q4_1_q8_1_linear": [P, P, P, P, I64, I64, I64, I],
         "mv_q8_0_q8_0_linear": [P, P, P, P, I64, I64, I64, I],
+        "mv_decode_step": [P, P, P, P, P, P, I64, P, P, I64, P, P, I64, I64, I],
     }
     for name in [*signatures, "mv_last_error", "mv_split_kv_chunk_keys"]:
         if not hasattr(lib, name):

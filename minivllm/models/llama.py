@@ -177,11 +177,12 @@ class Backbone(nn.Module):
 class LlamaForCausalLM(WeightLayouts, nn.Module):
     """Llama / Qwen2 / Qwen3 causal LM with HF parameter names, so HF state dicts load as they are."""
 
-    plain_max_rows = 0  # set by pack_weights: up to this many rows, the packed matmuls use the row-major weights
+    plain_max_rows = 0  # set by pack_weights (plain_rows_rule): up to this many rows, the row-major weights
     kernels = "reference"  # the kernel table the model runs (use_kernels): "reference", "cpu" or "triton"
     ops = reference
     quantization: str | None = None  # "gguf" once use_gguf_weights gave the linears the file's blocks
     gguf_activations: str | None = None  # then what they multiply: "int8" (llama.cpp's arithmetic) or "float32"
+    fused_decode_supported = True  # a few-row decode step may run its layers in one native call (tensor parallel: no)
 
     def __init__(self, config):
         super().__init__()
@@ -214,6 +215,8 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
         for m in self.packed_matmuls():
             if isinstance(m, FusedMatmul):
                 m.stack_quantized()
+        self.use_native_linear(ops)
+
     def rope(self, positions: torch.Tensor, dtype):
         """cos and sin ``[T, head_dim]`` of the rotary angles at ``positions`` (chapter 00: what ``rotary`` applies,
         ``q * cos + rotate_half(q) * sin``)."""
@@ -232,6 +235,9 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
         attention metadata for the paged cache (a ``PagedBatch``).
         """
         x, residual = self.model.embed_tokens(input_ids), None
+        hidden = self.fused_decode(x, positions, kv, batch)  # few decode rows, C++ table: one native call (ch. 18)
+        if hidden is not None:
+            return hidden
         for layer in self.model.layers:
             x, residual = layer(x, residual, positions, kv, batch)
         return self.model.norm(x, residual)[0]

@@ -180,6 +180,8 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
     every rank, so every rank must run every forward.
     """
 
+    fused_decode_supported = False  # each layer's matmuls end in collectives: the op-by-op path
+
     def __init__(self, config, tp: TensorParallelGroup):
         super().__init__(shard_config(config, tp.size))
         self.full_config, self.tp = config, tp

@@ -408,3 +408,4 @@ int mv_q8_0_q8_0_linear(float* out, const float* x, const uint8_t* weight, const
 }  // extern "C"
 
 #include "prefill.h"  // a step's prompt rows in tiles (after fail() and threads(), which it uses)
+#include "layer.h"  // a decode step's decoder layers in one call, through the kernels above (chapter 18)
