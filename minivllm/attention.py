@@ -607,10 +607,10 @@ class MiniPagedKVCache(PagedKVCache):
             k_slots, v_slots = self.k_slots[layer], self.v_slots[layer]
             self.ops.write_kv(k, v, k_slots, v_slots, batch.slot_mapping)
             split = batch.prompt_split if getattr(self.ops, "tiled_prefill", False) else None
-            if split is not None:  # prompts by the prefill kernel, the other rows by paged_attention
+            if split is not None:  # prompts by prefill_attention, the rest by paged_attention
                 return self._attend_split(split, q, k_slots, v_slots)
-            return self.ops.paged_attention(q, k_slots, v_slots, batch.block_table, batch.context_lens,
-                                            batch.cu_seq_q, self.block_size)
+            return self.ops.paged_attention(q, k_slots, v_slots, batch.block_table,
+                                            batch.context_lens, batch.cu_seq_q, self.block_size)
         k_pool, v_pool = self.k[layer], self.v[layer]
         write = batch.write_slots(self.scratch_slot)  # -1: the scratch slot
         self.k_slots[layer].index_copy_(0, write, k)

@@ -463,7 +463,9 @@ def decode_op_breakdown(llm, batch: int, prompt_len: int = 64, steps: int = 5, s
     everything else is ``"other ops"`` (norms, RoPE, activations, residuals,
     indexing). ``"total"`` is their sum: op time, without the Python between ops.
     ``"calls"`` counts the operator calls a step makes (every event the
-    profiler records: torch's ops and the kernel table's, chapter 18).
+    profiler records: torch's ops and the kernel table's, chapter 18). The
+    steps run op by op: the fused decode step (chapter 18e) is one native call
+    of the same kernels, which the profiler cannot split into kinds.
     """
     from torch.profiler import ProfilerActivity
 
@@ -471,11 +473,16 @@ def decode_op_breakdown(llm, batch: int, prompt_len: int = 64, steps: int = 5, s
     ids = _start_decoding(llm, batch, prompt_len, steps, seed, "ops")
     cuda = torch.device(engine.runner.device).type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with quiet_profile(activities=activities) as prof:
-        for _ in range(steps):
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize()
+    kv = engine.runner.kv_cache
+    fused, kv.fused_decode = getattr(kv, "fused_decode", False), False
+    try:
+        with quiet_profile(activities=activities) as prof:
+            for _ in range(steps):
+                engine.step()
+            if cuda:
+                torch.cuda.synchronize()
+    finally:
+        kv.fused_decode = fused
     for rid in ids:
         engine.abort_request(rid)
     out = dict.fromkeys([*dict.fromkeys(OP_KINDS.values()), "other ops"], 0.0)

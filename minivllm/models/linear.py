@@ -68,9 +68,9 @@ def use_packed(x: torch.Tensor, plain_max_rows: int = PLAIN_MATMUL_MAX_ROWS) -> 
 def use_native(m, x: torch.Tensor) -> bool:
     """Whether ``x``'s rows (not sent to the packed weight) go through the C++ table's ``linear``
     (:data:`NATIVE_MATMUL_MAX_ROWS`): the model runs that table, ``x`` is float32 with 1 to 8 rows, its features
-    whole vectors."""
+    whole vectors, and the weight is row-major in memory (a tensor-parallel shard may be a strided view)."""
     return (m.native_linear is not None and 1 <= x.shape[0] <= NATIVE_MATMUL_MAX_ROWS and x.dtype == torch.float32
-            and x.dim() == 2 and x.shape[1] % NATIVE_LANES == 0)
+            and x.dim() == 2 and x.shape[1] % NATIVE_LANES == 0 and m.weight.is_contiguous())
 
 
 def multiply(m, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

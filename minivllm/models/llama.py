@@ -235,7 +235,8 @@ class LlamaForCausalLM(WeightLayouts, nn.Module):
         attention metadata for the paged cache (a ``PagedBatch``).
         """
         x, residual = self.model.embed_tokens(input_ids), None
-        hidden = self.fused_decode(x, positions, kv, batch)  # few decode rows, C++ table: one native call (ch. 18)
+        # a few decode rows on the C++ table: every layer in one native call (chapter 18e)
+        hidden = self.fused_decode(x, positions, kv, batch)
         if hidden is not None:
             return hidden
         for layer in self.model.layers:
