@@ -81,8 +81,11 @@ def _running(pid: int) -> bool:
 
 # ``python -m minivllm bench`` whose HF continuous-batching run holds at its first progress tick until Ctrl-C:
 # the interrupt lands inside that run whatever the machine's speed (a plain run of the workload can end first).
+# SIGINT is given Python's handler first: a job started in the background by a script (``cmd &``) inherits
+# SIGINT ignored, and Python then leaves it ignored, so the Ctrl-C below would never land.
 HELD_BENCH = r'''
-import runpy, sys, time
+import runpy, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as a terminal's, whatever this test inherited
 from minivllm.bench.progress import Progress
 tick = Progress.tick
 def held(self, *args, **kwargs):  # HF's loop ticks its bar after each wait for a result
@@ -108,6 +111,8 @@ def test_ctrl_c_stops_bench_during_hf_continuous_batching_with_exit_130_and_the_
            "--no-roofline", "--json", str(report)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    hang = threading.Timer(600, proc.kill)  # a bound on a hang (the read below waits for a line), not a timing
+    hang.start()
     try:
         seen = []
         for line in proc.stderr:  # wait until HF's run holds inside its loop
@@ -120,6 +125,7 @@ def test_ctrl_c_stops_bench_during_hf_continuous_batching_with_exit_130_and_the_
         rest = proc.stderr.read()
         code = proc.wait(timeout=300)  # a bound on a hang, not a timing
     finally:
+        hang.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
