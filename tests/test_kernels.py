@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from minivllm import kernels
 from minivllm.config import KERNEL_OPS
 from minivllm.kernels import build, reference
-from minivllm.models.loader import gguf_path
+from minivllm.models.loader import gguf_path, read_gguf_tensors
 from minivllm.tolerances import ATTENTION_ATOL
 
 cpu = kernels.cpu_table()
@@ -134,9 +134,7 @@ def test_the_norms_rotary_and_activation_equal_their_references(rows):
 
 @pytest.fixture(scope="module")
 def gguf_tensors():
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(gguf_path()).tensors}
+    tensors = read_gguf_tensors(gguf_path())
     return {name: torch.from_numpy(tensors[name].data.copy()) for name in
             ("blk.0.ffn_down.weight", "blk.3.attn_q.weight", "token_embd.weight")}
 

@@ -322,3 +322,30 @@ def test_the_converted_tokenizer_has_the_special_tokens_the_gguf_states():
     tok.eos_token, tok.pad_token = "<|im_start|>", None  # what the 5.17 conversion gave
     set_special_tokens(tok, ids)
     assert (tok.eos_token, tok.eos_token_id, tok.pad_token_id) == ("<|im_end|>", 2, 2)
+
+
+def test_the_gguf_tensor_table_is_gguf_readers_on_every_tensor_of_the_embedded_file():
+    """``read_gguf_tensors`` walks the header and skips the metadata (milliseconds); ``gguf.GGUFReader`` decodes it
+    all (seconds): the same names in the same order, types, ggml dims, array shapes, dtypes and bytes."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from minivllm.models.loader import gguf_path, read_gguf_tensors
+
+    ours, theirs = read_gguf_tensors(gguf_path()), GGUFReader(gguf_path()).tensors
+    assert list(ours) == [t.name for t in theirs] and len(ours) == 272
+    for t in theirs:
+        mine = ours[t.name]
+        assert mine.tensor_type == t.tensor_type and mine.shape == tuple(int(d) for d in t.shape), t.name
+        assert mine.data.shape == t.data.shape and mine.data.dtype == t.data.dtype, t.name
+        assert np.array_equal(mine.data, t.data, equal_nan=mine.data.dtype != np.uint8), t.name
+    assert {t.tensor_type.name for t in ours.values()} == {"F32", "Q4_1", "Q8_0"}
+
+
+def test_a_file_that_is_not_gguf_is_refused(tmp_path):
+    from minivllm.models.loader import read_gguf_tensors
+
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        read_gguf_tensors(path)

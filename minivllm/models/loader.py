@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from minivllm.config import GGUF_ACTIVATIONS, QUANTIZATIONS, cache_dir, default_device
+from minivllm.models.gguf_file import GGUFTensor, read_gguf_tensors  # noqa: F401 (read_gguf_tensors re-exported)
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.parallel import ParallelLlamaForCausalLM, TensorParallelGroup, shard_slice
 
@@ -238,13 +239,10 @@ GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_
 
 
 @functools.cache
-def gguf_tensors() -> dict:
-    """The embedded GGUF's tensors by name (``gguf.GGUFReader``'s, memory-mapped), parsed once a process: parsing
-    the file's metadata takes seconds, and every model with ``quantization="gguf"`` and exercise 18's check read
-    its blocks."""
-    from gguf import GGUFReader
-
-    return {t.name: t for t in GGUFReader(gguf_path()).tensors}
+def gguf_tensors() -> dict[str, GGUFTensor]:
+    """The embedded GGUF's tensors by name (:func:`read_gguf_tensors`, memory-mapped), read once a process: every
+    model with ``quantization="gguf"`` and exercise 18's check read its blocks."""
+    return read_gguf_tensors(gguf_path())
 
 
 def gguf_blocks(config, device="cpu") -> dict[str, tuple[str, torch.Tensor]]:
