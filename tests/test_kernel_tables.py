@@ -12,6 +12,8 @@ from minivllm.kernels import build, choose
 from minivllm.kernels.cpu import CpuKernels
 from minivllm.models import loader
 
+from helpers import readers_loops
+
 pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler here: no table to build")
 
 STUB = """#include "inner.h"
@@ -36,10 +38,11 @@ def minivllms_loops(edit: str = "") -> str:
 
 
 # Built once for the module (each distinct text is a compile of the C++ ops, seconds from an empty cache):
-# a reader's table with minivllm's loops (an edit of its own, so it is not minivllm's cached library), and a stub's.
+# a reader's table with minivllm's loops as exercise 18 builds them (tests/test_split_kv.py builds the same text: one
+# compile), and a stub's.
 @pytest.fixture(scope="module")
 def yours(tmp_path_factory):
-    return table(tmp_path_factory.mktemp("yours"), minivllms_loops("// yours\n"))
+    return table(tmp_path_factory.mktemp("yours"), readers_loops())
 
 
 @pytest.fixture(scope="module")
