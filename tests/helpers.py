@@ -28,6 +28,14 @@ def mixed_prompts(tok, n=16, seed=0):
     return prompts
 
 
+def readers_loops() -> str:
+    """minivllm's inner loops as exercise 18 builds a reader's: without MINIVLLM_OWN_INNER (every row through
+    attend_tile, unsplit). One text for every test that builds such a table, so an empty cache compiles it once."""
+    from minivllm.kernels import build
+
+    return build.INNER.read_text() + "\n#undef MINIVLLM_OWN_INNER\n"
+
+
 def hf_greedy(hf_model, prompt_ids, max_new_tokens, eos_token_id=None):
     """HF transformers generate, one prompt at a time: the oracle."""
     ids = torch.tensor([prompt_ids])

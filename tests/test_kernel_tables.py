@@ -12,6 +12,8 @@ from minivllm.kernels import build, choose
 from minivllm.kernels.cpu import CpuKernels
 from minivllm.models import loader
 
+from helpers import readers_loops
+
 pytestmark = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler here: no table to build")
 
 STUB = """#include "inner.h"
@@ -35,8 +37,20 @@ def minivllms_loops(edit: str = "") -> str:
     return build.INNER.read_text() + edit
 
 
-def test_the_engine_runs_a_table_it_is_given_and_names_it(tmp_path):
-    yours = table(tmp_path, minivllms_loops("// yours\n"))
+# Built once for the module (each distinct text is a compile of the C++ ops, seconds from an empty cache):
+# a reader's table with minivllm's loops as exercise 18 builds them (tests/test_split_kv.py builds the same text: one
+# compile), and a stub's.
+@pytest.fixture(scope="module")
+def yours(tmp_path_factory):
+    return table(tmp_path_factory.mktemp("yours"), readers_loops())
+
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory):
+    return table(tmp_path_factory.mktemp("stub"), STUB)
+
+
+def test_the_engine_runs_a_table_it_is_given_and_names_it(yours):
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm = LLM("tiny-random", num_blocks=16, kernels=yours)
     assert llm.engine.stats().kernels == "cpu (yours)" and llm.engine.model.ops is yours
@@ -46,8 +60,8 @@ def test_the_engine_runs_a_table_it_is_given_and_names_it(tmp_path):
     assert got == want
 
 
-def test_two_tables_never_share_a_model_and_only_the_latest_tables_are_kept(tmp_path):
-    first, second = table(tmp_path, minivllms_loops("// one\n")), table(tmp_path, minivllms_loops("// two\n"))
+def test_two_tables_never_share_a_model_and_only_the_latest_tables_are_kept(tmp_path, yours):
+    first, second = yours, table(tmp_path, minivllms_loops("// two\n"))
     named = loader.load_model("tiny-random", "cpu", kernels="cpu")[0]
     a = loader.load_model("tiny-random", "cpu", kernels=first)[0]
     assert a.ops is first and loader.load_model("tiny-random", "cpu", kernels=first)[0] is a  # cached per table
@@ -57,11 +71,10 @@ def test_two_tables_never_share_a_model_and_only_the_latest_tables_are_kept(tmp_
     assert loader.load_model("tiny-random", "cpu", kernels="cpu")[0] is named  # the named tables' models stay
 
 
-def test_anything_else_is_refused_naming_kernels_before_a_model_is_built(tmp_path, monkeypatch):
+def test_anything_else_is_refused_naming_kernels_before_a_model_is_built(monkeypatch, yours, stub):
     def refused(*args, **kwargs):
         raise AssertionError("a model was built for a refused kernels value")
 
-    stub = table(tmp_path, STUB)
     assert stub.not_written() == ["attend_tile", "q4_1_block_dot"]
     monkeypatch.setattr(loader, "_build", refused)
     for bad in (42, "fast", object(), torch.nn.Linear(2, 2)):
@@ -70,7 +83,6 @@ def test_anything_else_is_refused_naming_kernels_before_a_model_is_built(tmp_pat
     with pytest.raises(ValueError, match=r"^kernels must be a kernel table whose inner loops are written, got "
                                          r".*not written yet: attend_tile, q4_1_block_dot"):
         LLM("tiny-random", num_blocks=16, kernels=stub)
-    yours = table(tmp_path, minivllms_loops("// refused in worker processes\n"))
     with pytest.raises(ValueError, match=r"^kernels must be a table's name with tensor_parallel_size > 1"):
         EngineConfig(model="tiny-random", kernels=yours, tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"^kernels must be a table's name .*disaggregated"):
@@ -80,12 +92,11 @@ def test_anything_else_is_refused_naming_kernels_before_a_model_is_built(tmp_pat
     assert choose(yours, "cpu", torch.float32) == ("cpu (yours)", yours)
 
 
-def test_a_stubs_op_raises_not_written_and_minivllms_own_build_has_none(tmp_path):
+def test_a_stubs_op_raises_not_written_and_minivllms_own_build_has_none(stub):
     from minivllm.kernels import cpu_table
 
     mine = cpu_table()
     assert mine.not_written() == []
-    stub = table(tmp_path, STUB)
     q, cache = torch.randn(2, 3, 8), torch.randn(8, 1, 8)
     with pytest.raises(NotImplementedError, match="^not written yet: attend_tile$"):
         stub.paged_attention(q, cache, cache, torch.tensor([[0, 1]], dtype=torch.int32),

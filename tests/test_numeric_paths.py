@@ -167,9 +167,9 @@ print(hashlib.sha256(b"".join(r.float().numpy().tobytes() for r in rows)).hexdig
 """
 
 
-def test_three_fresh_loads_give_bit_identical_logits_one_beside_a_busy_process():
-    """Same input, same logits: the same bits in three fresh processes, one of them sharing its cores with a busy
-    loop (a load-time race would pick another kernel there)."""
+def test_a_fresh_load_beside_a_busy_process_gives_the_quiet_loads_bit_identical_logits():
+    """Same input, same logits: the same bits in two fresh processes, a quiet one and one sharing its cores with a
+    busy loop (a load-time race, or any other run-to-run choice, would pick another kernel there)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
     def logits_hash():
@@ -178,7 +178,7 @@ def test_three_fresh_loads_give_bit_identical_logits_one_beside_a_busy_process()
         assert out.returncode == 0, out.stderr[-2000:]
         return out.stdout.split()
 
-    hashes = [logits_hash(), logits_hash()]
+    hashes = [logits_hash()]
     spin = "import time\nend = time.time() + 300\nwhile time.time() < end: pass"  # bounded, and killed below
     busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
     try:
@@ -188,6 +188,6 @@ def test_three_fresh_loads_give_bit_identical_logits_one_beside_a_busy_process()
         for p in busy:
             p.kill()
             p.wait()
-    assert hashes[0] == hashes[1] == hashes[2], hashes
+    assert hashes[0] == hashes[1], hashes
     rule = {"cpu": NATIVE_MATMUL_MAX_ROWS, "reference": PLAIN_MATMUL_MAX_ROWS}[hashes[0][2]]
     assert hashes[0][1] == str(rule)  # the rule, in every process

@@ -15,6 +15,7 @@ from minivllm.kernels import build, reference
 from minivllm.kernels.cpu import (SPLIT_MIN_KEYS, CpuKernels, split_kv_chunk_keys, split_kv_chunks,
                                   split_kv_plan)
 from minivllm.tolerances import ATTENTION_ATOL
+from helpers import readers_loops
 from test_kernels import ragged_batch
 
 cpu = kernels.cpu_table()
@@ -150,7 +151,7 @@ def test_a_build_of_a_readers_loops_attends_unsplit(tmp_path):
     """Exercise 18's table runs the reader's attend_tile on every row: without MINIVLLM_OWN_INNER (here minivllm's
     loops with it taken back) the build does not split, whatever chunk length is asked for."""
     path = tmp_path / "inner_unsplit.cpp"
-    path.write_text(build.INNER.read_text() + "\n#undef MINIVLLM_OWN_INNER\n")
+    path.write_text(readers_loops())
     yours = CpuKernels(build.load(build.build(path, quiet=True)), "cpu (yours)")
     assert cpu.split_kv and not yours.split_kv
     q, kc, vc, table, seq_lens, starts = ragged_batch([(1, 600)], 9, 3, 64, 16, 0)
