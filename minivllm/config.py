@@ -202,7 +202,8 @@ class EngineConfig:
     weight block in integer dot products, many multiplies an instruction
     (``maddubs``, or ``dpbusd`` with VNNI), the float scales applied once a
     block: rounding the activations changes the logits, so this mode is no
-    longer HF-exact (its oracle is llama.cpp on the same file;
+    longer HF-exact (its oracle is llama.cpp on the same file, which rounds
+    the same way: ``python -m minivllm.bench margins`` compares the two;
     ``stats().gguf_dot`` names the instructions). ``"float32"`` keeps the
     rows as they are: each weight is converted to the float32 value of the
     checkpoint, so the greedy tokens are the float32 engine's (chapter 18).

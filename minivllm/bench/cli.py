@@ -195,4 +195,5 @@ def _same_outputs(traces) -> bool:
 
 
 SUBCOMMANDS = ("interference", "shared-prefix", "preemption", "serving", "kv-offload", "disaggregation",
-               "speculative", "structured", "peers", "contention")  # python -m minivllm.bench NAME (bench/__init__)
+               "speculative", "structured", "peers", "margins",
+               "contention")  # python -m minivllm.bench NAME (bench/__init__)

@@ -41,7 +41,8 @@ from minivllm.models.loader import SMOLLM2, _atomic_folder, cache_dir, gguf_path
 __all__ = ["Peer", "PEERS", "COMPARE_PEERS", "PeerMissing", "PeerRun", "peers_dir", "export_hf_folder",
            "export_f32_gguf", "setup_commands", "setup_peer", "peer_installed", "leading_agreement", "run_driver",
            "agreement_line", "peer_settings", "peer_environ", "run_peer", "server_argv", "peer_server", "batch1_tpot",
-           "peer_table", "peers_main", "ALIASES", "MEASURED", "measured_peers", "measured_peer_table"]
+           "peer_table", "peers_main", "peer_files", "run_peer_job", "ALIASES", "MEASURED", "measured_peers",
+           "measured_peer_table"]
 
 DRIVERS = Path(__file__).resolve().parent / "peer_drivers"
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 4  # SmolLM2-135M in fp32: layers x (K, V) x KV heads x head dim x 4 bytes
@@ -283,24 +284,37 @@ def run_peer(key: str, workload: Workload, model: str = SMOLLM2, tpot_tokens: in
     :class:`PeerMissing` when it is not installed (or ``model`` is not the embedded one, the only model it has
     files for), ``RuntimeError`` with its log when its driver fails. With ``progress``, a line on stderr every
     few seconds: the driver's phase, the workload's tokens it has done, the seconds elapsed (:func:`run_driver`)."""
-    peer = _require(key, model)
-    files = str(_files(key))
+    files = str(peer_files(key, model))
     settings, env = peer_settings(key, workload)
     job = {"model": files, "prompts": workload.prompts, "max_tokens": workload.max_tokens, "settings": settings,
            "tpot": {"prompt": workload.prompts[0], "tokens": tpot_tokens, "repeats": repeats}}
-    with tempfile.TemporaryDirectory(prefix=f"peer-{key}-") as tmp:
-        job_path, result_path, log = Path(tmp, "job.json"), Path(tmp, "result.json"), Path(tmp, "driver.log")
-        job["progress"] = str(Path(tmp, "progress"))
-        job_path.write_text(json.dumps(job))
-        bar = Progress(key, sum(workload.max_tokens), enabled=progress)
-        rc = run_driver([str(venv_python(peer)), str(DRIVERS / peer.driver), str(job_path), str(result_path)],
-                        log, {**peer_environ(), "HF_HUB_OFFLINE": "1", **env}, timeout, bar)
-        if rc != 0 or not result_path.exists():
-            raise RuntimeError(f"{key}: the driver failed (exit {rc}); its output ends:\n" + log.read_text()[-3000:])
-        out = json.loads(result_path.read_text())
+    bar = Progress(key, sum(workload.max_tokens), enabled=progress)
+    out = run_peer_job(key, PEERS[COMPARE_PEERS[key][0]].driver, job, env, timeout, bar)
     result = _result(_label(key, out["settings"]), 0.0, out["seconds"], out["token_ids"], out["token_times"], workload)
     return PeerRun(result, out["batch1_tpot"], {**out["settings"], "env": {**out["settings"].get("env", {}), **env}},
                    out["startup_seconds"], out["version"])
+
+
+def peer_files(key: str, model: str = SMOLLM2) -> Path:
+    """What the peer ``key`` loads (:data:`COMPARE_PEERS`); :class:`PeerMissing` as :func:`run_peer`."""
+    _require(key, model)
+    return _files(key)
+
+
+def run_peer_job(key: str, driver: str, job: dict, env: dict | None = None, timeout: float = 3600.0,
+                 bar: Progress | None = None) -> dict:
+    """``job`` through ``driver`` (a file of ``peer_drivers/``) in the peer ``key``'s environment: the job and
+    result JSON files in a temporary folder, the driver run by :func:`run_driver` with ``env`` added; the result.
+    ``RuntimeError`` with the end of its log when the driver fails (:func:`peer_files` first checks the peer)."""
+    peer = PEERS[COMPARE_PEERS[key][0]]
+    with tempfile.TemporaryDirectory(prefix=f"peer-{key}-") as tmp:
+        job_path, result_path, log = Path(tmp, "job.json"), Path(tmp, "result.json"), Path(tmp, "driver.log")
+        job_path.write_text(json.dumps({**job, "progress": str(Path(tmp, "progress"))}))
+        rc = run_driver([str(venv_python(peer)), str(DRIVERS / driver), str(job_path), str(result_path)],
+                        log, {**peer_environ(), "HF_HUB_OFFLINE": "1", **(env or {})}, timeout, bar)
+        if rc != 0 or not result_path.exists():
+            raise RuntimeError(f"{key}: the driver failed (exit {rc}); its output ends:\n" + log.read_text()[-3000:])
+        return json.loads(result_path.read_text())
 
 
 def run_driver(argv: list[str], log: Path, env: dict, timeout: float, bar: Progress | None = None,

@@ -86,17 +86,11 @@ def run(lib, ctx, batch, n_batch, n_slots, prompts, max_tokens, n_vocab, progres
     return ids, times, time.perf_counter() - start
 
 
-def main(job_path, result_path):
-    import llama_cpp as lib
-
-    job = json.load(open(job_path))
-    s = job["settings"]
-    progress = Progress(job.get("progress"))
-    progress("loading", force=True)
-    began = time.perf_counter()
+def open_context(lib, path, s):
+    """The model file at ``path`` and a context with the settings ``s`` (fp32 KV, one unified cache of
+    ``n_seq_max`` sequences); (model, context, vocabulary size). The logits driver opens its context so too."""
     lib.llama_backend_init()
-    mparams = lib.llama_model_default_params()
-    model = lib.llama_model_load_from_file(job["model"].encode(), mparams)
+    model = lib.llama_model_load_from_file(path.encode(), lib.llama_model_default_params())
     cparams = lib.llama_context_default_params()
     cparams.n_ctx, cparams.n_batch, cparams.n_ubatch = s["n_ctx"], s["n_batch"], s["n_ubatch"]
     cparams.n_seq_max, cparams.kv_unified = s["n_seq_max"], True
@@ -106,7 +100,18 @@ def main(job_path, result_path):
     ctx = lib.llama_init_from_model(model, cparams)
     if not ctx:
         raise RuntimeError(f"llama_init_from_model failed with {s}")
-    n_vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    return model, ctx, lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+
+
+def main(job_path, result_path):
+    import llama_cpp as lib
+
+    job = json.load(open(job_path))
+    s = job["settings"]
+    progress = Progress(job.get("progress"))
+    progress("loading", force=True)
+    began = time.perf_counter()
+    model, ctx, n_vocab = open_context(lib, job["model"], s)
     batch = lib.llama_batch_init(s["n_batch"], 0, 1)
     go = lambda ps, ns, slots=s["n_seq_max"], on=None: run(lib, ctx, batch, s["n_batch"], slots, ps, ns,  # noqa: E731
                                                            n_vocab, on)
