@@ -4,8 +4,8 @@
 for SmolLM2's file, its 49,152 tokens and their merges, about 4 seconds a
 process, paid by every model with ``quantization="gguf"`` and every run of
 exercise 18's check. Only the tensors' names, types, dims and offsets are
-needed, so this walks the header as the format's spec lays it out (ggml's
-``docs/gguf.md``), skipping each value by its size, and maps the file.
+needed, so this walks the header as ggml's GGUF specification lays it out
+(header, metadata, tensor infos, aligned data), skipping each value by its size, and maps the file.
 tests/test_models.py checks it against ``GGUFReader`` on every tensor.
 """
 
