@@ -108,7 +108,8 @@ def test_ctrl_c_stops_bench_during_hf_continuous_batching_with_exit_130_and_the_
     report = tmp_path / "r.json"
     cmd = [sys.executable, "-c", HELD_BENCH, "bench", "--workload", "offline", "--model", "tiny-random",
            "--num-requests", "4", "--prompt-len", "8", "16", "--output-len", "64", "64", "--compare", "hf-batch",
-           "--no-roofline", "--json", str(report)]
+           "--no-roofline", "--json", report.name]  # relative to the child's cwd: its lines name the file, and
+    # the width below is the program's, not that of pytest's temporary folder (pytest-99 -> pytest-100 made a line 101)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     hang = threading.Timer(600, proc.kill)  # a bound on a hang (the read below waits for a line), not a timing
@@ -132,7 +133,7 @@ def test_ctrl_c_stops_bench_during_hf_continuous_batching_with_exit_130_and_the_
     assert code == 130, rest
     assert "stopped (Ctrl-C); what finished:" in rest and "  minivllm: " in rest
     assert any(x.startswith("  HF generate_batch") and x.endswith(", stopped") for x in rest.splitlines()), rest
-    assert all(len(x) <= WIDTH for x in rest.splitlines())
+    assert all(len(x) <= WIDTH for x in rest.splitlines()), [x for x in rest.splitlines() if len(x) > WIDTH]
     data = json.loads(report.read_text())
     assert data["complete"] is False and [r["name"] for r in data["results"]] == ["minivllm"]
     assert not [k for k in kids if _alive(k)]
