@@ -17,7 +17,7 @@ import json
 import sys
 
 from _progress import Progress  # beside this file (peer_drivers/)
-from llamacpp_offline import open_context
+from llamacpp_offline import close_context, open_context
 
 
 def rows(lib, ctx, batch, n_batch, n_vocab, tokens, wanted, top_k):
@@ -62,9 +62,7 @@ def main(job_path, result_path):
         progress("logits", sum(map(len, out)))
     json.dump({"rows": out, "version": lib.__version__, "settings": {**s, "type_k": "f32", "type_v": "f32"}},
               open(result_path, "w"))
-    lib.llama_batch_free(batch)
-    lib.llama_free(ctx)
-    lib.llama_model_free(model)
+    close_context(lib, model, ctx, batch)
 
 
 if __name__ == "__main__":

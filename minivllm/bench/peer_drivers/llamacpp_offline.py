@@ -103,6 +103,13 @@ def open_context(lib, path, s):
     return model, ctx, lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
 
 
+def close_context(lib, model, ctx, batch) -> None:
+    """Free what :func:`open_context` and ``llama_batch_init`` made, the batch first."""
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+    lib.llama_model_free(model)
+
+
 def main(job_path, result_path):
     import llama_cpp as lib
 
@@ -127,9 +134,7 @@ def main(job_path, result_path):
                "startup_seconds": startup, "version": lib.__version__,
                "settings": {**s, "type_k": "f32", "type_v": "f32", "kv_unified": True, "env": env}},
               open(result_path, "w"))
-    lib.llama_batch_free(batch)
-    lib.llama_free(ctx)
-    lib.llama_model_free(model)
+    close_context(lib, model, ctx, batch)
 
 
 if __name__ == "__main__":
