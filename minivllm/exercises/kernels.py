@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from minivllm.exercises._common import say
-from minivllm.exercises.live import chat_prompts, check_live, greedy
 from minivllm.exercises.native import (LOOPS, NO_COMPILER, PART, YOURS, build_kernels, compiler_status,  # noqa: F401
                                        library_path, own_table)  # (the notebook imports the build from here too)
 from minivllm.kernels import build, reference
@@ -360,9 +359,9 @@ def _q4_1_cases():
         cases.append((f"{r} row{'s' * (r > 1)} at once, 5 output features of 3 blocks each (random d, m, quants)",
                       torch.randn(r, 96, generator=g), many, None))
     try:
-        from minivllm.models.loader import gguf_tensors
+        from minivllm.models.gguf_file import gguf_path, read_gguf_tensors  # not the loader: no transformers
 
-        tensors = gguf_tensors()
+        tensors = read_gguf_tensors(gguf_path())
         for name, r in (("blk.0.ffn_down.weight", 3), ("blk.3.attn_q.weight", 8)):
             qweight = torch.from_numpy(tensors[name].data.copy())
             k = qweight.shape[1] // 20 * 32
@@ -482,6 +481,7 @@ def _run_cases(table: CpuKernels) -> list[int]:
 # -- the live engine -----------------------------------------------------------------------------------------------
 
 def _check_live(table: CpuKernels) -> None:
+    from minivllm.exercises.live import chat_prompts, check_live, greedy  # the engine: not the cases' child's import
     from minivllm.models import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m")

