@@ -397,8 +397,10 @@ def test_silu_and_mul_equals_its_reference_at_the_extremes_on_both_paths(up):
 
 def test_the_build_is_keyed_by_the_sources_and_this_cpu(tmp_path, monkeypatch):
     """A cached build is reused (the compiler not run again); another CPU's instruction sets, or an edit of the inner
-    loops, builds anew. The compiler's runs are recorded, not made (each writes its command as the library): the
-    key is what is tested here, the real builds are the other tests'."""
+    loops, builds anew. A build is three runs: ops.cpp compiled to an object, the inner unit with the inner loops,
+    the link; an edit of the inner loops reuses ops.cpp's object (verified: spoilt, it is compiled again). The
+    compiler's runs are recorded, not made (each writes its command as its output): the keys are what is tested
+    here, the real builds are the other tests'."""
     if build.compiler() is None:
         pytest.skip("no C++ compiler here")
     runs, run = [], build._run
@@ -413,15 +415,21 @@ def test_the_build_is_keyed_by_the_sources_and_this_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "_run", compile_)
     monkeypatch.setenv("MINIVLLM_CACHE", str(tmp_path))
     first = build.build(quiet=True)
-    assert first.exists() and build.build(quiet=True) == first and len(runs) == 1
+    assert first.exists() and build.build(quiet=True) == first and len(runs) == 3
+    assert str(build.CSRC / "ops.cpp") in runs[0] and str(build.INNER_UNIT) in runs[1] and "-shared" in runs[2]
     with monkeypatch.context() as m:
         m.setattr(build, "cpu_key", lambda: "x86_64 AVX2 avx avx2 fma")
-        assert build.build(quiet=True) != first and len(runs) == 2
-    assert build.build(quiet=True) == first and len(runs) == 2
+        assert build.build(quiet=True) != first and len(runs) == 6
+    assert build.build(quiet=True) == first and len(runs) == 6
     edited = tmp_path / "inner.cpp"
     edited.write_text(build.INNER.read_text() + "\n// an edit\n")
-    assert build.build(edited, quiet=True) != first and len(runs) == 3
-    assert f'-DMINIVLLM_INNER="{edited.resolve()}"' in runs[-1]
+    assert build.build(edited, quiet=True) != first and len(runs) == 8  # the inner unit and the link only
+    assert f'-DMINIVLLM_INNER="{edited.resolve()}"' in runs[-2] and runs[-1][-4] == runs[2][-4]  # the same ops.o
+    rest = Path(runs[2][-4])
+    rest.write_text("spoilt")
+    edited.write_text(build.INNER.read_text() + "\n// another edit\n")
+    assert build.build(edited, quiet=True) != first and len(runs) == 11 and str(build.CSRC / "ops.cpp") in runs[-3]
+    assert build.verified(rest)
 
 
 FIRST_USE = """

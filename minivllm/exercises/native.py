@@ -45,9 +45,11 @@ def compiler_status() -> str:
 
 
 def build_kernels(path: Path | str = PART, quiet: bool = False) -> CpuKernels:
-    """Your inner loops (``path``) compiled with minivllm's ``ops.cpp`` into a kernel table named "cpu (yours)".
+    """Your inner loops (``path``) linked with minivllm's ``ops.cpp`` into a kernel table named "cpu (yours)".
 
-    A build takes a few seconds and is cached by the sources, so an unchanged
+    Your file is compiled with the two loops that call it (``inner_ops.cpp``),
+    ``ops.cpp`` once for every file (:func:`~minivllm.kernels.build.build`), so
+    a build takes about a second; it is cached by the sources, so an unchanged
     file loads at once. A file that does not compile raises ``AssertionError``
     with the compiler's message; one that includes minivllm's own ``inner.cpp``
     (its loops, to call), ``AssertionError`` too; no compiler, ``RuntimeError``

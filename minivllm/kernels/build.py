@@ -1,19 +1,24 @@
 """The CPU kernels' build: compiled once per machine at first use, cached, loaded with ctypes (chapter 18).
 
-The C++ sources (``csrc/``) include no torch header, so a build takes a
-couple of seconds rather than minutes, and a reader's edit of the inner loops
-(exercise 18) rebuilds as fast. ``-march=native`` compiles for the CPU at
+The C++ sources (``csrc/``) include no torch header, so a build takes
+seconds rather than minutes. It is two translation units: ``ops.cpp`` and its
+headers (the checks, the threads, every op), compiled once into an object
+file cached like the library, and the inner unit ``inner_ops.cpp``, compiled
+with the file of inner loops named (``inner.cpp``, or a reader's in exercise
+18) and only the two loops that call them, which it inlines; the library links
+the two. So a reader's edit of the inner loops rebuilds in about a second
+(the inner unit and the link). ``-march=native`` compiles for the CPU at
 hand (AVX2, AVX-512 or NEON), so the cache is keyed by everything that
 decides the binary: the sources, the compiler, its flags, and this CPU's
 instruction sets (a build made on another CPU, in a shared home directory, is
 never loaded here). ``-fopenmp`` links libgomp, the OpenMP runtime torch has
 already loaded, so the kernels' threads are torch's own team.
 
-The cache is not trusted as found: a build is written to a temporary file,
-synced to disk and renamed into place, then its SHA-256 beside it (a sidecar
-``.sha256`` file, written the same way); a library whose bytes do not match it
-(truncated by a full disk, emptied, overwritten) is never loaded but built
-again. The compiler runs under a time limit (:data:`BUILD_TIMEOUT_S`, or
+The cache is not trusted as found: a build (the library, or ``ops.cpp``'s
+object) is written to a temporary file, synced to disk and renamed into place,
+then its SHA-256 beside it (a sidecar ``.sha256`` file, written the same way);
+a file whose bytes do not match it (truncated by a full disk, emptied,
+overwritten) is never used but built again. The compiler runs under a time limit (:data:`BUILD_TIMEOUT_S`, or
 ``$MINIVLLM_BUILD_TIMEOUT``): one that hangs is stopped with its children and
 the build fails with a :class:`BuildError` naming the limit.
 """
@@ -38,7 +43,11 @@ from minivllm.config import cache_dir
 
 CSRC = Path(__file__).parent / "csrc"
 INNER = CSRC / "inner.cpp"  # minivllm's inner loops; exercise 18 builds a reader's in their place
-FLAGS = ["-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]  # no ABI notes
+INNER_UNIT = CSRC / "inner_ops.cpp"  # compiled with the inner loops: the two loops that call them
+REST = tuple(CSRC / name for name in ("ops.cpp", "few_rows.h", "inner.h", "inner_ops.h", "int8_dot.h", "split_kv.h",
+                                      "prefill.h", "layer.h"))  # compiled once into an object: everything else
+FLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-Wno-psabi"]  # both units'; no ABI notes
+LINK = ["-shared", "-fopenmp"]
 BUILD_TIMEOUT_S = 300.0  # seconds a compiler run may take (a build takes a few): $MINIVLLM_BUILD_TIMEOUT sets another
 
 
@@ -132,6 +141,24 @@ def _publish(tmp: Path, target: Path) -> None:
         os.close(folder)
 
 
+def _record(tmp: Path, target: Path) -> None:
+    """A build (``tmp``) published as ``target``, then its SHA-256 beside it: after it, so that a crash between leaves
+    it unverified, never verified and partial."""
+    sha = _sha256(tmp)
+    _publish(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+    record = _temporary(target.parent, ".sha256")
+    record.write_text(sha + "\n")
+    _publish(record, digest_path(target))
+
+
+def _key(parts: list[bytes]) -> str:
+    """A cache folder's name: the first 16 hex digits of a SHA-256 over ``parts`` (each hashed alone first)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(hashlib.sha256(part).digest())
+    return digest.hexdigest()[:16]
+
+
 def cpu_key() -> str:
     """What a ``-march=native`` binary depends on: the architecture, torch's view of its vector ISA and the CPU's
     own feature flags (``/proc/cpuinfo``, where there is one)."""
@@ -146,26 +173,48 @@ def cpu_key() -> str:
     return f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()} {' '.join(sorted(flags.split()))}"
 
 
+def _build_key(cxx: str, files: list[Path], isa: tuple[str, ...]) -> str:
+    """The cache key of a build of ``files``: their bytes, the compiler, its flags, ``isa`` and this CPU."""
+    return _key([*(p.read_bytes() for p in files), str([compiler_version(cxx)]).encode(),
+                 " ".join(FLAGS + list(isa)).encode(), cpu_key().encode()])
+
+
+def _rest(cxx: str, isa: tuple[str, ...], fresh: bool) -> tuple[Path, list[str]]:
+    """``ops.cpp`` and its headers compiled once into an object file, cached and verified as the library is (under
+    ``kernels/<key>/``): (its path, the instruction-set flags it was compiled with). A compiler that cannot target
+    this CPU compiles it with its default ISA (``ops-default-isa.o``), and the inner unit is then compiled so too."""
+    folder = cache_dir() / "kernels" / _build_key(cxx, list(REST), isa)
+    tries = [(list(isa), folder / "ops.o")] + ([([], folder / "ops-default-isa.o")] if isa else [])
+    for march, target in tries:
+        if not fresh and verified(target):
+            return target, march
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = _temporary(folder, ".o")
+    try:
+        for march, target in tries:
+            done = _run([cxx, *march, *FLAGS, f"-I{CSRC}", "-c", str(CSRC / "ops.cpp"), "-o", str(tmp)])
+            if done.returncode == 0:
+                _record(tmp, target)
+                return target, march
+        raise BuildError(f"{cxx} failed on ops.cpp:\n{done.stderr.strip()[-3000:]}")
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def build(inner: Path = INNER, quiet: bool = False, isa: tuple[str, ...] = ("-march=native",),
           fresh: bool = False) -> Path:
     """The shared library of :mod:`minivllm.kernels`' CPU ops with ``inner`` as its inner loops: built now if no
     build for these sources, this compiler and this CPU is cached, else the cached one (``$MINIVLLM_CACHE/kernels``)
-    once its bytes match their recorded SHA-256 (:func:`verified`; else it is built again). ``isa`` are the
-    instruction-set flags (the tests build an AVX2 library on an AVX-512 machine too, so both vector widths are
-    checked here); ``fresh`` builds anew whatever is cached. Raises :class:`BuildError` where it cannot be built
-    (no compiler, it fails, or it runs past :func:`build_timeout`)."""
+    once its bytes match their recorded SHA-256 (:func:`verified`; else it is built again). A build compiles the
+    inner unit with ``inner`` and links it with ``ops.cpp``'s object (:func:`_rest`: compiled once for every
+    ``inner``). ``isa`` are the instruction-set flags (the tests build an AVX2 library on an AVX-512 machine too, so
+    both vector widths are checked here); ``fresh`` builds anew whatever is cached. Raises :class:`BuildError` where
+    it cannot be built (no compiler, it fails, or it runs past :func:`build_timeout`)."""
     cxx = compiler()
     if cxx is None:
         raise BuildError("no C++ compiler found (set $CXX, or install g++: apt-get install g++)")
     inner = Path(inner).resolve()
-    sources = [CSRC / "ops.cpp", CSRC / "inner.h", CSRC / "int8_dot.h", CSRC / "split_kv.h", CSRC / "prefill.h",
-               CSRC / "layer.h", inner]
-    version = [compiler_version(cxx)]
-    digest = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in sources), str(version).encode(), " ".join(FLAGS + list(isa)).encode(),
-                 cpu_key().encode()]:
-        digest.update(hashlib.sha256(part).digest())
-    target = cache_dir() / "kernels" / digest.hexdigest()[:16] / "libminivllm_kernels.so"
+    target = cache_dir() / "kernels" / _build_key(cxx, [*REST, INNER_UNIT, inner], isa) / "libminivllm_kernels.so"
     if not fresh and verified(target):
         return target
     bad = target.exists() and not fresh  # a cached build whose bytes are not what was built (truncated, garbled)
@@ -173,20 +222,20 @@ def build(inner: Path = INNER, quiet: bool = False, isa: tuple[str, ...] = ("-ma
     if not quiet:
         print(f"minivllm: building the CPU kernels for this machine ({inner.name}; once, a few seconds)"
               f"{': the cached build failed its SHA-256 check' if bad else ''}", flush=True)
-    tmp = _temporary(target.parent, ".so")
-    base = [cxx, *FLAGS, f'-DMINIVLLM_INNER="{inner}"', f"-I{CSRC}", str(CSRC / "ops.cpp"), "-o", str(tmp)]
+    rest, march = _rest(cxx, isa, fresh)
+    unit, tmp = _temporary(target.parent, ".o"), _temporary(target.parent, ".so")
     try:
-        for march in (list(isa), []):  # a compiler that cannot target this CPU gets its default ISA
-            done = _run(base[:1] + march + base[1:])
-            if done.returncode == 0:
-                sha = _sha256(tmp)
-                _publish(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
-                record = _temporary(target.parent, ".sha256")
-                record.write_text(sha + "\n")
-                _publish(record, digest_path(target))  # after the library: a crash between leaves it unverified
-                return target
-        raise BuildError(f"{cxx} failed on {inner.name}:\n{done.stderr.strip()[-3000:]}")
+        done = _run([cxx, *march, *FLAGS, f'-DMINIVLLM_INNER="{inner}"', f"-I{CSRC}", "-c", str(INNER_UNIT), "-o",
+                     str(unit)])
+        if done.returncode != 0:
+            raise BuildError(f"{cxx} failed on {inner.name}:\n{done.stderr.strip()[-3000:]}")
+        done = _run([cxx, *LINK, str(rest), str(unit), "-o", str(tmp)])
+        if done.returncode != 0:
+            raise BuildError(f"{cxx} could not link {inner.name}'s unit with ops.cpp:\n{done.stderr.strip()[-3000:]}")
+        _record(tmp, target)
+        return target
     finally:
+        unit.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
 
 
@@ -237,11 +286,9 @@ def build_standalone(source: Path, headers: tuple[Path, ...] = (), isa: tuple[st
     if cxx is None:
         raise BuildError("no C++ compiler found (set $CXX, or install g++: apt-get install g++)")
     source = Path(source).resolve()
-    digest = hashlib.sha256()
-    for part in [*(p.read_bytes() for p in (source, *headers)), compiler_version(cxx).encode(),
-                 " ".join([*flags, *isa]).encode(), cpu_key().encode()]:
-        digest.update(hashlib.sha256(part).digest())
-    target = cache_dir() / "standalone" / digest.hexdigest()[:16] / f"lib{source.stem}.so"
+    key = _key([*(p.read_bytes() for p in (source, *headers)), compiler_version(cxx).encode(),
+                " ".join([*flags, *isa]).encode(), cpu_key().encode()])
+    target = cache_dir() / "standalone" / key / f"lib{source.stem}.so"
     if verified(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -252,11 +299,7 @@ def build_standalone(source: Path, headers: tuple[Path, ...] = (), isa: tuple[st
             # (only then: without -march a reader's AVX2 code, under #if __AVX2__, would drop out and hide its errors)
             done = _run([cxx, *flags, f"-I{CSRC}", str(source), "-o", str(tmp)])
         if done.returncode == 0:
-            sha = _sha256(tmp)
-            _publish(tmp, target)
-            record = _temporary(target.parent, ".sha256")
-            record.write_text(sha + "\n")
-            _publish(record, digest_path(target))
+            _record(tmp, target)
             return target
         raise BuildError(f"{cxx} failed on {source.name}:\n{done.stderr.strip()[-3000:]}")
     finally:

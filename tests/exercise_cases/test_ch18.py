@@ -2,7 +2,7 @@
 
 The right answer is the solution notebook's own cell; each wrong one is that
 cell with one slip, the way a reader would make it. Every variant is a real
-build (a few seconds each, then cached by its sources).
+build (about a second each, then cached by its sources).
 """
 
 import json

@@ -2,7 +2,7 @@
 // Exercise 18's stub of this file has the same two functions, empty.
 #include "inner.h"
 
-#define MINIVLLM_OWN_INNER  // minivllm's own loops: a decode step may split its keys over threads (split_kv.h)
+#define MINIVLLM_OWN_INNER  // minivllm's own loops: a decode step may split its keys (split_kv.h, inner_ops.cpp)
 
 namespace minivllm {
 

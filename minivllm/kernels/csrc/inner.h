@@ -1,17 +1,16 @@
 // The inner loops of minivllm's two central kernels (chapter 18): what exercise 18 has the reader write.
 //
 // ops.cpp holds everything around them: the argument checks, the loops over
-// rows, heads and output features, the threads. It includes the file of inner
+// rows, heads and output features, the threads. It is compiled once; the two
+// loops that call these (inner_ops.cpp) are compiled with the file of inner
 // loops the build names (inner.cpp, minivllm's own, or a reader's), so the
-// compiler sees both in one unit and inlines them.
+// compiler sees both in that unit and inlines them, and a reader's edit
+// recompiles only that small unit.
 #pragma once
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 namespace minivllm {
 
@@ -61,8 +60,9 @@ inline fvec to_float(sbvec b) { return __builtin_convertvector(__builtin_convert
 
 // An IEEE half (how the GGUF stores each block's scale and minimum) as a float: exact.
 inline float half_to_float(uint16_t h) {
-#if defined(__F16C__)
-  return _cvtsh_ss(h);
+#if defined(__F16C__)  // _cvtsh_ss's instruction, without <immintrin.h> (half a second of parsing a build)
+  typedef short half8 __attribute__((vector_size(16)));
+  return __builtin_ia32_vcvtph2ps(half8{static_cast<short>(h)})[0];
 #endif
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
   uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -144,12 +144,13 @@ inline void attend_tile(const AttentionTile& t);
 
 // An inner loop not written yet (exercise 18's stubs): MINIVLLM_NOT_WRITTEN(attend_tile) in its body marks it, for
 // good (the stub is compiled in), and the op that calls it fails with "not written yet: attend_tile", which Python
-// raises as NotImplementedError, instead of returning whatever its output held. Static: each built library has its
-// own flags (an inline variable would be one object shared by every library loaded, minivllm's and a reader's).
+// raises as NotImplementedError, instead of returning whatever its output held. One object in each built library,
+// defined in the inner unit (inner_ops.cpp), read by ops.cpp; hidden, so each library keeps its own flags (an
+// inline variable would be one object shared by every library loaded, minivllm's and a reader's).
 struct NotWritten {
   std::atomic<bool> attend_tile{false}, q4_1_block_dot{false};
 };
-static NotWritten not_written;
+extern __attribute__((visibility("hidden"))) NotWritten not_written;
 #define MINIVLLM_NOT_WRITTEN(loop) ::minivllm::not_written.loop.store(true, std::memory_order_relaxed)
 
 // Adds the products of one Q4_1 block's 32 weights with each of `rows` rows of x to acc[r] (chapter 18).

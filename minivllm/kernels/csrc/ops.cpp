@@ -12,8 +12,9 @@
 #include <cstdio>
 #include <vector>
 
+#include "few_rows.h"      // the few-row matvec loop (float32, Q8_0 here; Q4_1 in the inner unit)
 #include "inner.h"
-#include MINIVLLM_INNER  // the inner loops: inner.cpp, or a reader's (exercise 18)
+#include "inner_ops.h"     // the inner unit's loops: compiled with the inner loops the build names (exercise 18)
 #include "int8_dot.h"      // the GGUF's blocks times 8-bit activations (llama.cpp's integer dot products)
 #include "split_kv.h"      // a decode step's few rows over long contexts: keys split over the threads
 
@@ -27,8 +28,6 @@ int fail(const char* fmt, long long a = 0, long long b = 0, long long c = 0) {
   std::snprintf(error_message, sizeof error_message, fmt, a, b, c);
   return 1;
 }
-
-int threads(int requested) { return requested > 0 ? requested : 1; }
 
 constexpr int kNotWritten = 2;  // an inner loop is exercise 18's stub: Python raises NotImplementedError
 
@@ -123,29 +122,8 @@ int mv_paged_attention_chunked(float* out, const float* q, int64_t q_stride, con
                  block_size, scale, threads(nthreads), split);
     return 0;
   }
-  const int64_t G = H / KVH;
-  const int64_t tile_rows = std::max<int64_t>(1, std::min<int64_t>(16, kMaxTile / G));
-  struct Task { int64_t b, head, first, rows; };
-  std::vector<Task> tasks;
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t n = query_start[b + 1] - query_start[b];
-    for (int64_t first = 0; first < n; first += tile_rows)
-      for (int64_t g = 0; g < KVH; ++g) tasks.push_back({b, g, first, std::min(tile_rows, n - first)});
-  }
-  const int64_t count = static_cast<int64_t>(tasks.size());
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads(nthreads))
-  for (int64_t i = 0; i < count; ++i) {
-    const Task& task = tasks[i];
-    const int64_t n = query_start[task.b + 1] - query_start[task.b];
-    const int64_t token = query_start[task.b] + task.first;
-    int64_t pos[kMaxTile];
-    for (int64_t r = 0; r < task.rows; ++r) pos[r] = seq_lens[task.b] - n + task.first + r;
-    AttentionTile tile{q + token * q_stride + task.head * G * D, q_stride, pos, static_cast<int>(task.rows),
-                       static_cast<int>(G), k_cache + task.head * D, v_cache + task.head * D, KVH * D,
-                       block_table + task.b * width, static_cast<int>(block_size), static_cast<int>(D), scale,
-                       out + (token * H + task.head * G) * D, H * D};
-    attend_tile(tile);
-  }
+  attend_rows(out, q, q_stride, k_cache, v_cache, block_table, width, seq_lens, query_start, B, H, KVH, D,
+              block_size, scale, nthreads);
   return not_written.attend_tile ? unwritten("attend_tile") : 0;
 }
 
@@ -230,47 +208,6 @@ int mv_silu_and_mul(float* out, const float* x, int64_t T, int64_t I, int nthrea
 
 namespace {
 
-// out [R, N] (+)= x [R, K] @ W^T for few rows, where `dot_block(n, kb, rows, acc)` adds weight row n's block kb of
-// `per_block` weights times every row of x to acc. Each thread takes a run of output features. R is a template
-// argument so the compiler keeps each row's partial sums in registers.
-template <int R, typename DotBlock>
-void few_rows_matvec(float* out, const float* bias, int64_t N, int64_t K, int per_block, int nthreads,
-                     DotBlock dot_block) {
-  constexpr int NB = R == 1 ? 4 : R == 2 ? 2 : 1;  // output features at once: independent sums, more loads in flight
-  const int64_t blocks = K / per_block, groups = (N + NB - 1) / NB;
-#pragma omp parallel for schedule(static) num_threads(threads(nthreads))
-  for (int64_t g = 0; g < groups; ++g) {
-    const int64_t n0 = g * NB, nb = N - n0 < NB ? N - n0 : NB;
-    fvec acc[NB][R];
-    for (int i = 0; i < NB; ++i)
-      for (int r = 0; r < R; ++r) acc[i][r] = splat(0.0f);
-    if (nb == NB) {
-      for (int64_t kb = 0; kb < blocks; ++kb)
-        for (int i = 0; i < NB; ++i) dot_block(n0 + i, kb, R, acc[i]);
-    } else {
-      for (int64_t kb = 0; kb < blocks; ++kb)
-        for (int i = 0; i < nb; ++i) dot_block(n0 + i, kb, R, acc[i]);
-    }
-    for (int i = 0; i < nb; ++i)
-      for (int r = 0; r < R; ++r) out[r * N + n0 + i] = hsum(acc[i][r]) + (bias ? bias[n0 + i] : 0.0f);
-  }
-}
-
-template <typename DotBlock>
-void few_rows(float* out, const float* bias, int64_t R, int64_t N, int64_t K, int per_block, int nthreads,
-              DotBlock dot_block) {
-  switch (R) {
-    case 1: return few_rows_matvec<1>(out, bias, N, K, per_block, nthreads, dot_block);
-    case 2: return few_rows_matvec<2>(out, bias, N, K, per_block, nthreads, dot_block);
-    case 3: return few_rows_matvec<3>(out, bias, N, K, per_block, nthreads, dot_block);
-    case 4: return few_rows_matvec<4>(out, bias, N, K, per_block, nthreads, dot_block);
-    case 5: return few_rows_matvec<5>(out, bias, N, K, per_block, nthreads, dot_block);
-    case 6: return few_rows_matvec<6>(out, bias, N, K, per_block, nthreads, dot_block);
-    case 7: return few_rows_matvec<7>(out, bias, N, K, per_block, nthreads, dot_block);
-    default: return few_rows_matvec<8>(out, bias, N, K, per_block, nthreads, dot_block);
-  }
-}
-
 int check_rows(int64_t R) {
   if (R < 1 || R > kMaxRows) return fail("the kernel takes 1 to %lld rows, got %lld", kMaxRows, R);
   return 0;
@@ -297,10 +234,7 @@ int mv_q4_1_linear(float* out, const float* x, const uint8_t* weight, const floa
                    int64_t K, int nthreads) {
   if (check_rows(R)) return 1;
   if (K % kBlockQ != 0) return fail("in_features %lld: Q4_1 rows are whole blocks of %lld", K, kBlockQ);
-  const int64_t row_bytes = K / kBlockQ * kQ4_1Bytes;
-  few_rows(out, bias, R, N, K, kBlockQ, nthreads, [&](int64_t n, int64_t kb, int rows, fvec* acc) {
-    q4_1_block_dot(weight + n * row_bytes + kb * kQ4_1Bytes, x + kb * kBlockQ, K, rows, acc);
-  });
+  q4_1_rows(out, x, weight, bias, R, N, K, nthreads);
   return not_written.q4_1_block_dot ? unwritten("q4_1_block_dot") : 0;
 }
 

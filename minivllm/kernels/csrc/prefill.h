@@ -1,6 +1,6 @@
 // A step's prompt rows attended in one call (chapter 18): mv_prefill_attention, the tiled prefill kernel.
 //
-// Included at the end of ops.cpp (it uses its fail() and threads()). Each task
+// Included at the end of ops.cpp (it uses its fail(), and few_rows.h's threads()). Each task
 // is one sequence, one KV head and one tile of up to kVecs query vectors (its
 // consecutive query rows times the query heads that share the KV head). The
 // queries lie across the lanes, transposed once per tile, so the online

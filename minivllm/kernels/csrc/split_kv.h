@@ -10,7 +10,8 @@
 // every run; another thread count may cut other chunks, and the last bits of the output may differ.
 //
 // The partial loop is minivllm's own, beside inner.cpp's attend_tile: a build of a reader's inner loops (exercise
-// 18, which defines no MINIVLLM_OWN_INNER) attends every row through the reader's attend_tile, unsplit.
+// 18, which defines no MINIVLLM_OWN_INNER) attends every row through the reader's attend_tile, unsplit. The inner
+// unit, compiled with the inner loops, says which (kSplitKVBuilt, inner_ops.h).
 #pragma once
 #include <omp.h>
 
@@ -20,14 +21,10 @@
 #include <vector>
 
 #include "inner.h"
+#include "inner_ops.h"
 
 namespace minivllm {
 
-#if defined(MINIVLLM_OWN_INNER)
-constexpr bool kSplitKVBuilt = true;
-#else
-constexpr bool kSplitKVBuilt = false;
-#endif
 constexpr int64_t kSplitMinKeys = 128;  // no chunk shorter: below, a work item is too small to pay for a merge
 constexpr int64_t kSplitGranule = 16;   // chunk lengths are multiples of 16 keys (whole vectors on every build)
 
