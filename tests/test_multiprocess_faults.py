@@ -125,6 +125,7 @@ class Load:
 
     def __init__(self, server, clients: int = 3, limit: int = 200):
         self.server, self.results, self.stop = server, [], threading.Event()
+        self.open = 0  # requests sent and not yet ended
         self.count = iter(range(limit))
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self.run, args=(i,), daemon=True) for i in range(clients)]
@@ -137,11 +138,20 @@ class Load:
             with self.lock:
                 if next(self.count, None) is None:
                     return
+                self.open += 1
             prompt = [rng.randrange(5, 200) for _ in range(rng.randint(4, 60))]
             one = stream_one if rng.random() < 0.5 else complete_one  # streaming and not: a 503, never a 500
-            result = one(self.server, prompt, rng.randint(8, 48))
+            try:
+                result = one(self.server, prompt, rng.randint(8, 48))
+            finally:
+                with self.lock:
+                    self.open -= 1
             with self.lock:
                 self.results.append(result)
+
+    def wait_in_flight(self) -> None:
+        """Until a request is in flight (or every request was sent and ended): a point at which to inject a fault."""
+        wait_for(lambda: self.open > 0 or not any(t.is_alive() for t in self.threads), 30, "a request in flight")
 
     def finish(self) -> list[dict]:
         self.stop.set()
@@ -192,7 +202,7 @@ def test_disaggregated_server_survives_stopped_and_killed_workers(no_leftovers):
             assert r.status_code == 400 and "n" in r.json()["error"]["message"], r.text
         load = Load(server)
         for name, sig in faults:
-            wait_for(lambda: running_gauge(server) >= 1, 30, "a request running")  # a point with work in flight
+            load.wait_in_flight()
             pid = worker(server, name)
             os.kill(pid, sig)
             if sig == signal.SIGSTOP:
@@ -226,7 +236,7 @@ def sigterm_during_a_restart(server) -> tuple[float, list[dict], set[int]]:
     """SIGTERM while the front restarts a killed worker, requests in flight (the server's grace is 2 s): how long
     the server took to exit, how its requests ended, every worker it had."""
     load = Load(server, clients=2, limit=20)
-    wait_for(lambda: running_gauge(server) >= 1, 30, "a request running")
+    load.wait_in_flight()
     workers = set(children(server.pid))
     os.kill(worker(server, "mvllm-prefill"), signal.SIGKILL)
     wait_for(lambda: not healthy(server), 30, "/health saying 503 while the front restarts the prefill worker")
