@@ -1,6 +1,7 @@
 """Tensor parallelism (chapter 15): outputs identical to one process, 1/tp of the memory per rank, refusals,
 a dying worker, and no process left behind (checked after every test through /proc)."""
 
+import datetime
 import gc
 import json
 import os
@@ -17,11 +18,11 @@ import torch
 from minivllm import LLM, EngineConfig, SamplingParams
 from minivllm.attention import MiniPagedKVCache
 from minivllm.bench.server_process import free_port
-from minivllm.distributed import WorkerError
+from minivllm.distributed import WorkerError, Workers
 from minivllm.distributed.protocol import StepMessage, decode, encode
 from minivllm.exercises.live import chat_prompts
 from minivllm.model_runner import StepInputs
-from minivllm.models import load_tokenizer
+from minivllm.models import TensorParallelGroup, load_tokenizer
 
 from helpers import process_alive
 
@@ -240,6 +241,24 @@ def test_a_killed_worker_makes_the_engine_raise_and_stop_the_others():
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks and not llm.engine.requests  # the failed calls freed their blocks
     llm.shutdown()  # idempotent
+
+
+def test_a_step_that_waited_out_the_collective_timeout_does_not_wait_for_a_rank_to_die(monkeypatch):
+    """A peer that died fails the step at once and is waited for (to name it); a stopped one will not exit: a step
+    that failed after the collective timeout fails at once (before: 10 s more, /health 200 meanwhile)."""
+    waits = []
+    for timeout, step_s in ((0.05, 0.1), (60.0, 0.0)):  # the collective timed out; a peer's socket closed
+        workers = Workers(TensorParallelGroup(0, 2), None, torch.device("cpu"),
+                          timeout=datetime.timedelta(seconds=timeout))
+        monkeypatch.setattr(workers, "dead_ranks", lambda wait: waits.append(wait) or [])
+
+        def step():
+            time.sleep(step_s)
+            raise RuntimeError("the collective failed")
+
+        with pytest.raises(WorkerError, match=r"a tensor-parallel step failed on rank 0 \(RuntimeError: the"):
+            workers.guard(step)
+    assert waits == [0.0, 0.0, 0.0, 10.0]  # check_health's, then the failure's
 
 
 class FailsOnRank1(MiniPagedKVCache):

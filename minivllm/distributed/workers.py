@@ -145,10 +145,14 @@ class Workers:
     def guard(self, fn):
         """Run rank 0's side of a collective step; on any failure shut every worker down and say why."""
         self.check_health()
+        start = time.monotonic()
         try:
             return fn()
         except BaseException as e:
-            dead = self.dead_ranks(wait=10.0)  # a peer that died fails the collective first, then exits
+            # a peer that died fails the collective at once, then exits: wait for its exit to name it; a step that
+            # waited out the collective timeout has a stopped or stuck rank, which will not exit: no wait
+            timed_out = time.monotonic() - start >= self.timeout.total_seconds()
+            dead = self.dead_ranks(wait=0.0 if timed_out else 10.0)
             reason = self.describe(dead) if dead else f"a tensor-parallel step failed on rank 0 ({type(e).__name__}: {e})"
             if isinstance(e, Exception):
                 self.fail(reason, e)
