@@ -4,9 +4,10 @@ The reader writes ``attend_tile`` (a tile of query rows times the query heads
 that share one KV head, an online softmax over the sequence's keys through its
 block table, each row to its own position) and ``q4_1_block_dot`` (one GGUF
 Q4_1 block times a few rows of activations). minivllm's scaffolding
-(``minivllm/kernels/csrc/ops.cpp``: the checks, the loops around them, the
-threads) is compiled with them into a kernel table, ``CpuKernels`` named
-"cpu (yours)", in a few seconds (:func:`~minivllm.exercises.native.build_kernels`).
+(``minivllm/kernels/csrc/ops.cpp``: the checks, the threads, compiled once;
+``inner_ops.cpp``: the loops around them) is linked with them into a kernel
+table, ``CpuKernels`` named "cpu (yours)", in about a second
+(:func:`~minivllm.exercises.native.build_kernels`).
 :func:`check_kernels` runs targeted cases against the PyTorch reference first,
 up to inner.h's kMaxHeadDim and kMaxBlockSize, in a child process (a crash of
 the reader's loops is a message naming the case, and the notebook lives), and
@@ -64,9 +65,15 @@ SIZES = (f"your loop is right at head_dim up to {SMALL[0]} and blocks up to {SMA
 
 # -- paged attention: the cases and the mistakes they tell apart --------------------------------------------------
 
+TABLE_GUARD = 16  # entries after a case's block table, in its memory: see _batch
+
+
 def _batch(seqs, heads: int, kv_heads: int, dim: int, block_size: int, seed: int):
     """A step of sequences ``(queries, length)``: random queries and caches (every slot of the pool holds some
-    key), block tables shuffled over the pool (the +1 slot: the engine's scratch slot)."""
+    key), block tables shuffled over the pool (the +1 slot: the engine's scratch slot). The table's memory goes on
+    past its last row with :data:`TABLE_GUARD` entries naming a block no sequence owns, so a loop that reads past
+    the table reads other keys, the same in every run (not whatever memory follows: a crash or, by chance, the
+    right block)."""
     g = torch.Generator().manual_seed(seed)
     blocks = sum(math.ceil(n / block_size) for _, n in seqs) + 2
     k_cache = torch.randn(blocks * block_size + 1, kv_heads, dim, generator=g)
@@ -74,7 +81,8 @@ def _batch(seqs, heads: int, kv_heads: int, dim: int, block_size: int, seed: int
     order = iter(torch.randperm(blocks, generator=g).tolist())
     tables = [[next(order) for _ in range(math.ceil(n / block_size))] for _, n in seqs]
     width = max(1, max(map(len, tables)))
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    rows = [x for t in tables for x in t + [0] * (width - len(t))]
+    table = torch.tensor(rows + [next(order)] * TABLE_GUARD, dtype=torch.int32)[:len(rows)].view(len(tables), width)
     lens = torch.tensor([n for _, n in seqs], dtype=torch.int32)
     starts = torch.tensor([0, *itertools.accumulate(q for q, _ in seqs)], dtype=torch.int32)
     q = torch.randn(int(starts[-1]), heads, dim, generator=g)
